@@ -1,0 +1,79 @@
+"""The adapter contract: a model turned into a sequence of layers that pass a *carry* dict along.
+
+Every layer is an ``nn.Module`` whose ``forward(carry: dict) -> dict`` takes the carry of the layer
+before it. The runtime saves carries at stage boundaries (on the CPU), cuts batches into
+microbatches before layer 0, and merges the last layer's carries back into the model's output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LayerSequence:
+    """A pipelinable view of one model.
+
+    Attributes:
+        target: the module whose ``forward`` the strategy replaces by the pipelined one.
+        layers: the layer modules in order; ``layers[i](carry) -> carry``. They reference the
+            model's own submodules (no copies), so the model's parameters stay the master weights.
+        layer_names: one label per layer for tables and error messages.
+        grad_keys: carry keys whose floating-point tensors carry gradients between stages (e.g.
+            ``("hidden_states",)``); other carry entries (masks, rotary tables, labels) are constants.
+        prepare: ``prepare(args, kwargs) -> carry`` for the whole batch (before the split into
+            microbatches); raises ``TypeError``/``ValueError`` for inputs the adapter cannot pipeline.
+        finalize: ``finalize(merged_carry) -> output`` builds what the original ``forward`` would return
+            from the last layer's carry merged over microbatches (tensors of dim >= 1 concatenated
+            along dim 0, 0-dim tensors summed).
+        family: a short name of the model family (``"llama"``, ``"nn.Sequential"``...).
+    """
+
+    target: nn.Module
+    layers: list[nn.Module]
+    layer_names: list[str]
+    grad_keys: tuple[str, ...]
+    prepare: Callable[[tuple, dict], dict]
+    finalize: Callable[[dict], Any]
+    family: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def parameters(self):
+        """Unique parameters of all layers (tied ones once), in layer order."""
+        seen: set[int] = set()
+        for layer in self.layers:
+            for p in layer.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+
+def module_uses_rng(module: nn.Module) -> bool:
+    """Whether ``module`` draws random numbers in its current mode.
+
+    True when some submodule in training mode is a dropout with ``p > 0`` or carries a float
+    ``attention_dropout``/``dropout`` attribute above 0 (Hugging Face attention modules apply dropout
+    functionally). Such layers are run with a per-(layer, microbatch) seed so that recomputation
+    replays the forward's masks exactly, whichever device runs it.
+    """
+    for m in module.modules():
+        if not m.training:
+            continue
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for attr in ("attention_dropout", "dropout"):
+            v = getattr(m, attr, None)
+            if isinstance(v, float) and v > 0:
+                return True
+    return False
+
+
+def is_float_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()

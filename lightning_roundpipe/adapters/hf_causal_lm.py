@@ -1,0 +1,214 @@
+"""Hugging Face decoder-only causal LMs (Llama family, Qwen2, Qwen3, Mistral), also under PEFT.
+
+Layer sequence (issue 2, DESIGN.md section 2):
+
+- layer 0, *prefix*: token embedding, position ids, rotary embedding and the attention mask(s);
+- layers 1..N: one per decoder layer;
+- layer N+1, *tail*: final norm, LM head and, when ``labels`` are given, the loss. The loss of a
+  microbatch is its summed token loss divided by the number of label tokens of the **whole batch**
+  (``num_items_in_batch``), so the sum over microbatches equals the full-batch loss exactly, also
+  with unequal microbatches and padding.
+
+The family table is data: a new family whose model class follows the same
+``model.embed_tokens / model.layers / model.norm / lm_head`` layout is one entry in ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_roundpipe.adapters.base import LayerSequence
+
+#: ``config.model_type`` -> family notes. Every entry uses the standard layout
+#: ``<causal lm>.model.{embed_tokens, rotary_emb, layers, norm}`` and ``<causal lm>.lm_head``.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"sliding_window_attr": None},
+    "qwen2": {"sliding_window_attr": None},
+    "qwen3": {"sliding_window_attr": None},
+    "mistral": {"sliding_window_attr": "sliding_window"},
+}
+
+_IGNORE_KWARGS = {"use_cache", "return_dict", "output_attentions", "output_hidden_states", "logits_to_keep"}
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside PEFT wrappers (``PeftModel`` / ``LoraModel``), else ``model``."""
+    get_base = getattr(model, "get_base_model", None)  # PeftModel
+    if callable(get_base) and type(model).__module__.startswith("peft"):
+        return get_base()
+    if type(model).__module__.startswith("peft") and isinstance(getattr(model, "model", None), nn.Module):
+        return model.model  # a tuner such as LoraModel
+    return model
+
+
+def is_hf_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model inside its PEFT wrappers) is a supported HF causal LM."""
+    inner = unwrap_peft(model)
+    cfg = getattr(inner, "config", None)
+    return (
+        getattr(cfg, "model_type", None) in FAMILIES
+        and isinstance(getattr(inner, "lm_head", None), nn.Module)
+        and isinstance(getattr(getattr(inner, "model", None), "layers", None), nn.ModuleList)
+    )
+
+
+def _mask_call(fn, config, inputs_embeds, attention_mask, position_ids):
+    params = inspect.signature(fn).parameters
+    kw = {"config": config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask, "position_ids": position_ids}
+    if "cache" in params:
+        kw["cache"] = None
+    if "past_key_values" in params:
+        kw["past_key_values"] = None
+    if "cache_position" in params:
+        kw["cache_position"] = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
+    return fn(**kw)
+
+
+class HFPrefix(nn.Module):
+    """Embedding, position ids, rotary embedding and attention masks."""
+
+    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, mask_types: set[str]) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.rotary_emb = rotary_emb
+        self.config = config
+        self.mask_types = mask_types
+
+    def forward(self, carry: dict) -> dict:
+        from transformers import masking_utils
+
+        h = self.embed_tokens(carry["input_ids"])
+        pos = carry.get("position_ids")
+        if pos is None:
+            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        masks = {}
+        if "full_attention" in self.mask_types:
+            masks["full_attention"] = _mask_call(masking_utils.create_causal_mask, self.config, h, carry.get("attention_mask"), pos)
+        if "sliding_attention" in self.mask_types:
+            masks["sliding_attention"] = _mask_call(
+                masking_utils.create_sliding_window_causal_mask, self.config, h, carry.get("attention_mask"), pos
+            )
+        out = {k: v for k, v in carry.items() if k not in ("input_ids", "attention_mask")}
+        out.update(hidden_states=h, position_ids=pos, position_embeddings=self.rotary_emb(h, pos), masks=masks)
+        return out
+
+
+class HFDecoderLayer(nn.Module):
+    """One decoder layer; reads the mask of its attention type from the carry."""
+
+    def __init__(self, layer: nn.Module, mask_type: str) -> None:
+        super().__init__()
+        self.layer = layer
+        self.mask_type = mask_type
+
+    def forward(self, carry: dict) -> dict:
+        h = self.layer(
+            carry["hidden_states"],
+            attention_mask=carry["masks"].get(self.mask_type),
+            position_ids=carry["position_ids"],
+            position_embeddings=carry["position_embeddings"],
+            use_cache=False,
+        )
+        if isinstance(h, tuple):  # transformers < 5 returns a tuple
+            h = h[0]
+        return {**carry, "hidden_states": h}
+
+
+class HFTail(nn.Module):
+    """Final norm, LM head and (with labels) the loss normalised over the whole batch's label tokens."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, loss_function: Any, vocab_size: int) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+        self._loss_function = loss_function
+        self.vocab_size = vocab_size
+
+    def forward(self, carry: dict) -> dict:
+        logits = self.lm_head(self.norm(carry["hidden_states"]))
+        out = {"logits": logits}
+        labels = carry.get("labels")
+        if labels is not None:
+            out["loss"] = self._loss_function(
+                logits=logits, labels=labels, vocab_size=self.vocab_size, num_items_in_batch=carry["num_items_in_batch"]
+            )
+        return out
+
+
+def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
+    """Layer sequence of a supported HF causal LM (``model`` may be PEFT-wrapped).
+
+    The pipelined forward accepts ``input_ids`` (int64, ``(batch, seq)``), optional
+    ``attention_mask`` (``(batch, seq)``), ``position_ids`` and ``labels`` (int64, ``(batch, seq)``,
+    -100 for ignored positions), and returns a ``CausalLMOutputWithPast`` with ``logits``
+    (``(batch, seq, vocab)``) and, with labels, the scalar ``loss``.
+
+    Raises:
+        ValueError: when the model is not a supported family (see ``FAMILIES``).
+    """
+    inner = unwrap_peft(model)
+    if not is_hf_causal_lm(inner):
+        raise ValueError(
+            f"`{type(inner).__name__}` is not a supported Hugging Face causal LM (model types {sorted(FAMILIES)})."
+        )
+    cfg = inner.config
+    body = inner.model
+    n = cfg.num_hidden_layers
+    layer_types = list(getattr(cfg, "layer_types", None) or [])
+    if not layer_types:
+        sw_attr = FAMILIES[cfg.model_type]["sliding_window_attr"]
+        sliding = sw_attr is not None and getattr(cfg, sw_attr, None) is not None
+        layer_types = ["sliding_attention" if sliding else "full_attention"] * n
+    decoder = [HFDecoderLayer(body.layers[i], layer_types[i]) for i in range(n)]
+    layers: list[nn.Module] = [HFPrefix(body.embed_tokens, body.rotary_emb, cfg, set(layer_types))]
+    layers += decoder
+    layers.append(HFTail(body.norm, inner.lm_head, inner.loss_function, cfg.vocab_size))
+    names = ["prefix(embed,rotary,mask)"] + [f"layers.{i}" for i in range(n)] + ["tail(norm,lm_head,loss)"]
+
+    def prepare(args: tuple, kwargs: dict) -> dict:
+        if args:
+            kwargs = {"input_ids": args[0], **kwargs}
+            if len(args) > 1:
+                raise TypeError("The pipelined causal LM takes `input_ids` as its only positional argument; pass the rest by name.")
+        unsupported = {k: v for k, v in kwargs.items()
+                       if k not in ("input_ids", "attention_mask", "position_ids", "labels") and k not in _IGNORE_KWARGS
+                       and v is not None}
+        if unsupported:
+            raise ValueError(
+                f"The pipelined causal LM does not support the arguments {sorted(unsupported)}. Supported: `input_ids`,"
+                " `attention_mask`, `position_ids`, `labels`. HINT: generation with a KV cache and `inputs_embeds` run"
+                " outside the RoundPipe strategy."
+            )
+        if kwargs.get("use_cache"):
+            raise ValueError("`use_cache=True` is not supported by the pipelined forward (stages keep no KV cache).")
+        input_ids = kwargs.get("input_ids")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"`input_ids` must be an int tensor of shape (batch, seq), got {type(input_ids).__name__}"
+                             f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else ''}.")
+        carry = {"input_ids": input_ids, "attention_mask": kwargs.get("attention_mask"),
+                 "position_ids": kwargs.get("position_ids")}
+        labels = kwargs.get("labels")
+        if labels is not None:
+            carry["labels"] = labels
+            # label tokens of the whole batch after the causal shift (as transformers' ForCausalLMLoss counts them)
+            carry["num_items_in_batch"] = (labels[..., 1:] != -100).sum()
+        return carry
+
+    def finalize(merged: dict) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(loss=merged.get("loss"), logits=merged["logits"])
+
+    return LayerSequence(
+        target=inner,
+        layers=layers,
+        layer_names=names,
+        grad_keys=("hidden_states",),
+        prepare=prepare,
+        finalize=finalize,
+        family=cfg.model_type,
+    )

@@ -1,0 +1,194 @@
+"""`RoundPipeStrategy`: ``Trainer(strategy="roundpipe")``.
+
+A single-process strategy: the LightningModule (its parameters are the master weights), the
+optimizer and the batches stay on the CPU; ``parallel_devices`` are the stateless workers the
+:class:`~lightning_roundpipe.runtime.engine.RoundPipeEngine` dispatches stages to round-robin. The
+strategy only adapts Lightning's hooks: find the module, build the engine in ``setup``, install the
+pipelined forward, and close it in ``teardown``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies.strategy import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from typing_extensions import override
+
+from lightning_roundpipe.adapters import is_supported, make_layer_sequence
+from lightning_roundpipe.integration.precision import RoundPipePrecision
+from lightning_roundpipe.partition.types import PartitionPlan
+from lightning_roundpipe.runtime.engine import RoundPipeEngine
+
+log = logging.getLogger(__name__)
+
+StageRanges = Sequence[range | tuple[int, int] | Sequence[int]]
+
+
+def _as_ranges(name: str, stages: StageRanges | None) -> tuple[range, ...] | None:
+    if stages is None:
+        return None
+    out = []
+    for s in stages:
+        if isinstance(s, range):
+            out.append(s)
+        elif isinstance(s, Sequence) and len(s) == 2 and all(isinstance(v, int) for v in s):
+            out.append(range(s[0], s[1]))
+        else:
+            raise TypeError(
+                f"`{name}` entries must be `range`s or `(start, stop)` pairs of layer indices, got {s!r}."
+                " HINT: forward_stages=[(0, 3), (3, 6)] covers layers 0..5 in two stages."
+            )
+    return tuple(out)
+
+
+class RoundPipeStrategy(SingleDeviceStrategy):
+    """RoundPipe pipeline training (arXiv 2604.27085) for Lightning.
+
+    Args:
+        num_microbatches: microbatches each batch is cut into (along dim 0); default: number of
+            devices + 1 (paper section 3: bubbles nearly vanish once microbatches >= devices + 1).
+        module: attribute of the LightningModule to pipeline (dotted paths allowed); default: the one
+            child that is a supported model (HF causal LM, also under PEFT, or ``nn.Sequential``).
+        forward_stages: optional explicit forward stage boundaries: ascending ``range`` s or
+            ``(start, stop)`` pairs of layer indices of the layer sequence.
+        backward_stages: optional explicit backward stage boundaries, tail first.
+        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning strategies;
+            ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``.
+
+    Raises:
+        ValueError: for ``num_microbatches < 1`` or a precision other than ``32-true``/``bf16-mixed``.
+        TypeError: for ill-typed arguments.
+    """
+
+    strategy_name = "roundpipe"
+
+    def __init__(
+        self,
+        num_microbatches: int | None = None,
+        module: str | None = None,
+        forward_stages: StageRanges | None = None,
+        backward_stages: StageRanges | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        if num_microbatches is not None and (not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool)
+                                             or num_microbatches < 1):
+            raise ValueError(
+                f"`num_microbatches` must be a positive int or None (devices + 1), got {num_microbatches!r}."
+            )
+        if module is not None and not isinstance(module, str):
+            raise TypeError(f"`module` must be the name of a LightningModule attribute (str) or None, got {type(module).__name__}.")
+        if (forward_stages is None) != (backward_stages is None):
+            raise ValueError("Pass both `forward_stages` and `backward_stages`, or neither (default partition).")
+        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.parallel_devices = parallel_devices
+        self.num_microbatches = num_microbatches
+        self.module_name = module
+        fwd, bwd = _as_ranges("forward_stages", forward_stages), _as_ranges("backward_stages", backward_stages)
+        self.partition = PartitionPlan(fwd, bwd) if fwd is not None else None
+        self.engine: RoundPipeEngine | None = None
+        self._callback = None
+
+    # ------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else RoundPipePrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else RoundPipePrecision.from_lightning(plugin)
+
+    # ------------------------------------------------------------------ devices
+    @property
+    def num_devices(self) -> int:
+        """Number of pipeline devices (workers)."""
+        return len(self.parallel_devices or [torch.device("cpu")])
+
+    @override
+    def setup_environment(self) -> None:
+        assert self.accelerator is not None
+        devices = self.parallel_devices or [torch.device("cpu")]
+        # the master weights live on the CPU; the accelerator is set up for the first worker device
+        self.accelerator.setup_device(devices[0])
+
+    # ------------------------------------------------------------------ setup / teardown
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        target = self._find_module()
+        seq = make_layer_sequence(target)
+        if self.partition is not None:
+            self.partition.validate(len(seq))
+        precision = self.precision_plugin
+        devices = [torch.device(d) for d in (self.parallel_devices or [torch.device("cpu")])]
+        m = self.num_microbatches or len(devices) + 1
+        self.engine = RoundPipeEngine(seq, devices, m, self.partition, precision.compute_dtype, precision.autocast_dtype)
+        self.engine.install()
+        log.info("RoundPipe: pipelining `%s` (%s, %d layers) on %d device(s), %d microbatches",
+                 type(seq.target).__name__, seq.family, len(seq), len(devices), m)
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning_roundpipe.integration.callbacks import RoundPipeMetricsCallback
+
+            if not any(isinstance(c, RoundPipeMetricsCallback) for c in trainer.callbacks):
+                self._callback = RoundPipeMetricsCallback()
+                trainer.callbacks.append(self._callback)
+
+    def _find_module(self) -> nn.Module:
+        lm = self.lightning_module
+        if self.module_name is not None:
+            try:
+                mod = lm.get_submodule(self.module_name)
+            except AttributeError:
+                children = [n for n, _ in lm.named_children()]
+                raise ValueError(
+                    f"`RoundPipeStrategy(module={self.module_name!r})`: the LightningModule has no submodule of that name."
+                    f" Its children are {children}."
+                ) from None
+            return mod
+        found = [(n, m) for n, m in lm.named_children() if is_supported(m)]
+        if not found:  # look deeper, outermost first
+            found = [(n, m) for n, m in lm.named_modules() if n and is_supported(m)]
+            found = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]
+        if len(found) == 1:
+            return found[0][1]
+        if not found:
+            raise ValueError(
+                f"RoundPipe found no module to pipeline in `{type(lm).__name__}`: none of its submodules is a supported"
+                " Hugging Face causal LM (llama, mistral, qwen2, qwen3; also under PEFT) or an `nn.Sequential`."
+                " HINT: pass `RoundPipeStrategy(module='<attribute>')`."
+            )
+        raise ValueError(
+            f"RoundPipe found several modules it could pipeline in `{type(lm).__name__}`: {[n for n, _ in found]}."
+            " HINT: choose one with `RoundPipeStrategy(module='<attribute>')`."
+        )
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self._callback is not None and self.lightning_module is not None and self.lightning_module._trainer is not None:
+            callbacks = self.lightning_module.trainer.callbacks
+            if self._callback in callbacks:
+                callbacks.remove(self._callback)
+        self._callback = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="RoundPipe pipeline training (CPU master weights, round-robin stages)")
+
+    def __repr__(self) -> str:
+        return f"RoundPipeStrategy(num_microbatches={self.num_microbatches}, module={self.module_name!r}, devices={self.num_devices})"

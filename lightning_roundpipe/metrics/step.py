@@ -1,0 +1,48 @@
+"""Per-device step metrics from the phase timelines of one training step (DESIGN.md section 7).
+
+Keys carry their unit: ``roundpipe/device0/bubble(%)``, ``roundpipe/device0/compute(s)``,
+``roundpipe/device0/h2d(bytes)``, ``roundpipe/device0/h2d(GiB/s)``...
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from lightning_roundpipe.metrics.timeline import Timeline
+
+GIB = float(2**30)
+
+
+def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe") -> dict[str, float]:
+    """Metrics of one step made of ``timelines`` (its forward and backward phases, run one after another).
+
+    Per device ``d``: ``compute(s)``, ``idle(s)`` (step wall time minus compute), ``bubble(%)``
+    (idle / wall), ``h2d(bytes)``, ``d2h(bytes)``, ``h2d(GiB/s)`` and ``d2h(GiB/s)`` (bytes / seconds
+    spent in those transfers; 0 when nothing moved). Step-wide: ``step(s)`` and ``bubble(%)`` (mean
+    over devices).
+
+    Returns:
+        ``{}`` when ``timelines`` is empty.
+    """
+    if not timelines:
+        return {}
+    n = max(t.num_devices for t in timelines)
+    wall = sum(t.span_s() for t in timelines)
+    out: dict[str, float] = {f"{prefix}/step(s)": wall}
+    bubbles = []
+    for d in range(n):
+        compute = sum(t.compute_s(d) for t in timelines)
+        idle = max(0.0, wall - compute)
+        bubble = 100.0 * idle / wall if wall > 0 else 0.0
+        bubbles.append(bubble)
+        key = f"{prefix}/device{d}"
+        out[f"{key}/compute(s)"] = compute
+        out[f"{key}/idle(s)"] = idle
+        out[f"{key}/bubble(%)"] = bubble
+        for kind in ("H2D", "D2H"):
+            nbytes = sum(t.transfer_bytes(d, kind) for t in timelines)
+            secs = sum(t.transfer_s(d, kind) for t in timelines)
+            out[f"{key}/{kind.lower()}(bytes)"] = float(nbytes)
+            out[f"{key}/{kind.lower()}(GiB/s)"] = nbytes / GIB / secs if secs > 0 else 0.0
+    out[f"{prefix}/bubble(%)"] = sum(bubbles) / n
+    return out

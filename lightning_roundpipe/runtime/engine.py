@@ -1,0 +1,175 @@
+"""`RoundPipeEngine`: one pipelined model on a set of devices (no Lightning here).
+
+It owns the device workers, the weight store, the stages and the round-robin cursor, and provides
+the pipelined ``forward`` that replaces the target module's own. The Lightning strategy only
+creates it, installs it and reads its metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from lightning_roundpipe.adapters.base import LayerSequence
+from lightning_roundpipe.metrics.timeline import Timeline
+from lightning_roundpipe.partition.types import PartitionPlan
+from lightning_roundpipe.runtime.autograd import attach
+from lightning_roundpipe.runtime.devices import DeviceWorker
+from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
+from lightning_roundpipe.runtime.microbatch import merge_leaves, split_grads, split_microbatches
+from lightning_roundpipe.runtime.store import WeightStore
+from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages, default_stage_ranges
+
+log = logging.getLogger(__name__)
+
+
+class RoundPipeEngine:
+    """Pipelined execution of a :class:`LayerSequence`.
+
+    Args:
+        seq: the model's layer sequence (its parameters are the CPU master weights).
+        devices: one ``torch.device`` per worker (``cpu`` entries are CPU virtual devices).
+        num_microbatches: microbatches per call (at most the batch size is used).
+        partition: forward and backward stage boundaries; default: forward stages of 3 layers,
+            backward stages of 1 layer (:func:`default_stage_ranges`).
+        compute_dtype: dtype of uploaded parameters (``None``: as the masters).
+        autocast_dtype: ``torch.autocast`` dtype on the workers (``None``: no autocast).
+
+    Raises:
+        ValueError: for an empty device list, ``num_microbatches < 1`` or a partition that does not
+            tile the layers.
+    """
+
+    def __init__(self, seq: LayerSequence, devices: Sequence[torch.device], num_microbatches: int,
+                 partition: PartitionPlan | None = None, compute_dtype: torch.dtype | None = None,
+                 autocast_dtype: torch.dtype | None = None) -> None:
+        if not devices:
+            raise ValueError("`devices` is empty: RoundPipe needs at least one device.")
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"`num_microbatches` must be a positive int, got {num_microbatches!r}.")
+        self.seq = seq
+        self.devices = [torch.device(d) for d in devices]
+        self.num_microbatches = num_microbatches
+        self.partition = partition or PartitionPlan(*default_stage_ranges(len(seq)))
+        self.partition.validate(len(seq))
+        self.stages = build_stages(self.partition.forward_stages, self.partition.backward_stages)
+        self.store = WeightStore(seq.layers, compute_dtype)
+        self.workers = [DeviceWorker(i, d) for i, d in enumerate(self.devices)]
+        self.executor = Executor(seq, self.workers, self.store, autocast_dtype)
+        self.cursor = 0
+        self._plans: dict[tuple[int, int], ExecutionPlan] = {}
+        self._timelines: list[Timeline] = []
+        self._lock = threading.Lock()
+        self._original_forward = None
+
+    # ------------------------------------------------------------------ install / close
+    def install(self) -> None:
+        """Replace ``seq.target.forward`` by :meth:`forward` (an instance attribute)."""
+        if self._original_forward is None:
+            self._original_forward = self.seq.target.__dict__.get("forward")
+            self.seq.target.forward = self.forward
+
+    def uninstall(self) -> None:
+        """Restore the target's own forward."""
+        target = self.seq.target
+        if target.__dict__.get("forward") is not None and getattr(target.__dict__["forward"], "__self__", None) is self:
+            del target.__dict__["forward"]
+            if self._original_forward is not None:
+                target.forward = self._original_forward
+        self._original_forward = None
+
+    def close(self) -> None:
+        """Uninstall and stop the worker threads."""
+        self.uninstall()
+        for w in self.workers:
+            w.close()
+
+    def set_partition(self, partition: PartitionPlan) -> None:
+        """Use new stage boundaries from the next call on (e.g. from the automatic partitioner)."""
+        partition.validate(len(self.seq))
+        self.partition = partition
+        self.stages = build_stages(partition.forward_stages, partition.backward_stages)
+        self._plans.clear()
+
+    # ------------------------------------------------------------------ plans
+    def plan(self, num_microbatches: int, cursor: int) -> ExecutionPlan:
+        """The validated full-step plan (forward then backward stages) starting at ``cursor``."""
+        key = (num_microbatches, cursor)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = build_roundpipe_plan(self.stages, len(self.workers), num_microbatches, cursor)
+        return plan
+
+    def _advance(self, n: int) -> int:
+        with self._lock:
+            c = self.cursor
+            self.cursor = (c + n) % len(self.workers)
+            return c
+
+    # ------------------------------------------------------------------ the pipelined forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The pipelined forward: same inputs and outputs as the target's own forward.
+
+        With grad enabled and trainable parameters, the outputs carry an autograd node whose
+        backward runs the backward stages (the transparent path); otherwise only forward stages run
+        and no activation is kept.
+        """
+        seq = self.seq
+        carry = seq.prepare(args, kwargs)
+        mbs, sizes = split_microbatches(carry, self.num_microbatches)
+        m = len(mbs)
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in seq.parameters())
+        n_fwd = len(self.partition.forward_stages)
+        n_bwd = len(self.partition.backward_stages)
+        state = PipelineState(num_microbatches=m)
+        state.rng_layers = rng_layers(seq)
+        if state.rng_layers:
+            state.base_seed = int(torch.randint(0, 2**62, (1,)).item())
+        if training:
+            state.keep = frozenset(r.start for r in self.partition.backward_stages)
+        for i, mb in enumerate(mbs):
+            state.acts[(0, i)] = mb
+        cursor = self._advance(n_fwd)
+        self._run(self.plan(m, cursor).phase("forward"), state)
+        finals = [pytree.tree_flatten(state.final.pop(i)) for i in range(m)]
+        spec = finals[0][1]
+        merged = merge_leaves([leaves for leaves, _ in finals])
+        if training:
+            idx = [i for i, x in enumerate(merged) if isinstance(x, torch.Tensor)]
+            done = []
+
+            def run_backward(grads: list) -> None:
+                if done:
+                    raise RuntimeError(
+                        "Backward through a RoundPipe pipeline ran twice: its saved activations are freed after the"
+                        " first backward. HINT: do not use `retain_graph=True` across the pipelined model."
+                    )
+                done.append(True)
+                full = [None] * len(merged)
+                for i, g in zip(idx, grads):
+                    full[i] = g
+                state.final_grads = split_grads(merged, full, sizes)
+                bcursor = (self._advance(n_bwd) - n_fwd) % len(self.workers)
+                self._run(self.plan(m, bcursor).phase("backward"), state)
+                state.acts.clear()
+
+            attached = attach([merged[i] for i in idx], run_backward)
+            for i, t in zip(idx, attached):
+                merged[i] = t
+        return seq.finalize(pytree.tree_unflatten(merged, spec))
+
+    def _run(self, plan: ExecutionPlan, state: PipelineState) -> None:
+        timeline = self.executor.run(plan, state)
+        with self._lock:
+            self._timelines.append(timeline)
+
+    # ------------------------------------------------------------------ metrics
+    def pop_timelines(self) -> list[Timeline]:
+        """Timelines of the phases run since the last call (forward and backward phases)."""
+        with self._lock:
+            out, self._timelines = self._timelines, []
+        return out

@@ -1,0 +1,81 @@
+"""Split a batch carry into microbatches along dim 0, and merge per-microbatch outputs back.
+
+Rules (pytrees of ``torch.utils._pytree``):
+
+- split: a tensor whose dim 0 equals the batch size is cut with ``torch.tensor_split`` (sizes differ
+  by at most one, larger first: 7 rows into 5 microbatches gives 2, 2, 1, 1, 1); any other leaf (0-dim
+  tensors such as ``num_items_in_batch``, python values, ``None``) is given to every microbatch;
+- merge: tensors of dim >= 1 are concatenated along dim 0; 0-dim tensors are summed (they must be
+  additive per-microbatch contributions, like a loss already normalised by the whole batch);
+- the gradient of a merged output is split back the same way (slices for concatenated leaves, the
+  same gradient for summed ones).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def batch_size_of(carry: Any) -> int:
+    """Size of dim 0 of the first tensor leaf with at least one dimension.
+
+    Raises:
+        ValueError: when the input holds no tensor with a batch dimension.
+    """
+    for leaf in pytree.tree_leaves(carry):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return int(leaf.shape[0])
+    raise ValueError(
+        "Cannot split the input into microbatches: it holds no tensor with a batch dimension (dim 0)."
+        " HINT: pass the batch as tensors whose first dimension is the batch."
+    )
+
+
+def split_microbatches(carry: Any, num_microbatches: int) -> tuple[list[Any], list[int]]:
+    """Cut ``carry`` into ``min(num_microbatches, batch size)`` microbatches.
+
+    Returns:
+        ``(microbatches, sizes)``: the per-microbatch carries and their batch sizes (rows).
+    """
+    bsz = batch_size_of(carry)
+    m = max(1, min(num_microbatches, bsz))
+    leaves, spec = pytree.tree_flatten(carry)
+    per_leaf = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == bsz:
+            per_leaf.append(torch.tensor_split(leaf, m, dim=0))
+        else:
+            per_leaf.append([leaf] * m)
+    sizes = [len(r) for r in torch.tensor_split(torch.empty(bsz, 0), m)]
+    mbs = [pytree.tree_unflatten([pl[i] for pl in per_leaf], spec) for i in range(m)]
+    return mbs, sizes
+
+
+def merge_leaves(per_mb_leaves: Sequence[Sequence[Any]]) -> list[Any]:
+    """Merge flat leaf lists (one per microbatch, same structure) into one flat list."""
+    merged = []
+    for column in zip(*per_mb_leaves):
+        first = column[0]
+        if isinstance(first, torch.Tensor):
+            merged.append(torch.stack(column).sum(0) if first.dim() == 0 else torch.cat(column, dim=0))
+        else:
+            merged.append(first)
+    return merged
+
+
+def split_grads(merged_leaves: Sequence[Any], grads: Sequence[torch.Tensor | None], sizes: Sequence[int]) -> list[list[Any]]:
+    """Per-microbatch gradients of merged outputs: ``result[m][i]`` for leaf ``i`` of microbatch ``m``."""
+    out: list[list[Any]] = [[] for _ in sizes]
+    for leaf, g in zip(merged_leaves, grads):
+        if g is None or not isinstance(leaf, torch.Tensor):
+            parts = [None] * len(sizes)
+        elif leaf.dim() == 0:
+            parts = [g] * len(sizes)
+        else:
+            parts = list(torch.split(g, list(sizes), dim=0))
+        for m, p in enumerate(parts):
+            out[m].append(p)
+    return out
