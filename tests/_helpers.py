@@ -1,0 +1,160 @@
+"""Tiny models, LightningModules and a `fit` helper shared by the tests.
+
+This module never imports `lightning_roundpipe`, so a checkpoint can be loaded with it in a process
+where the package was never imported.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+VOCAB = 512
+SEQ = 8
+
+
+def tiny_hf(kind: str = "llama", dropout: float = 0.0, layers: int = 5, seed: int = 0) -> nn.Module:
+    """A tiny random Llama or Qwen3 causal LM (fp32, tied embeddings, eager attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=True, attention_dropout=dropout)
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = LlamaConfig(**common)
+        cfg._attn_implementation = "eager"
+        return LlamaForCausalLM(cfg)
+    if kind == "qwen3":
+        cfg = Qwen3Config(head_dim=8, **common)
+        cfg._attn_implementation = "eager"
+        return Qwen3ForCausalLM(cfg)
+    raise ValueError(kind)
+
+
+def tiny_mlp(seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    layers += [nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)]
+    return nn.Sequential(*layers)
+
+
+class TokenData(Dataset):
+    """Random tokens with right padding on some rows (labels -100 there): unequal label counts."""
+
+    def __init__(self, n: int = 64, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        self.mask = torch.ones(n, SEQ, dtype=torch.long)
+        for i in range(n):
+            pad = int(torch.randint(0, 4, (1,), generator=g))
+            if pad:
+                self.mask[i, SEQ - pad:] = 0
+        self.labels = self.ids.masked_fill(self.mask == 0, -100)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+
+
+class VectorData(Dataset):
+    def __init__(self, n: int = 64, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randint(0, 4, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class CausalLMModule(L.LightningModule):
+    """``loss = self.model(**batch).loss``, written as for one device."""
+
+    def __init__(self, model: nn.Module, lr: float = 0.1, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.model = model
+        self.lr = lr
+        self.optimizer = optimizer
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.log("val/loss", self.model(**batch).loss)
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr)
+        return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+
+
+class MLPModule(L.LightningModule):
+    """``logits = self.model(x); loss = F.cross_entropy(logits, y)``."""
+
+    def __init__(self, dropout: float = 0.0, seed: int = 0, lr: float = 0.1, scheduler: bool = True) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = tiny_mlp(seed, dropout)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", nn.functional.cross_entropy(self.model(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(batch[0])
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        if not self.hparams.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return [opt], [sched]
+
+
+def loader(ds: Dataset, batch_size: int = 7) -> DataLoader:
+    return DataLoader(ds, batch_size=batch_size, shuffle=False)
+
+
+def trainer(strategy: Any = "auto", devices: int = 1, **kw) -> L.Trainer:
+    args = dict(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+def params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def fit_params(make: Callable[[], L.LightningModule], data: Dataset, strategy: Any = "auto", devices: int = 1,
+               batch_size: int = 7, **kw) -> dict[str, torch.Tensor]:
+    module = make()
+    t = trainer(strategy, devices, **kw)
+    t.fit(module, loader(data, batch_size))
+    return params(module)

@@ -1,0 +1,128 @@
+"""Bad input gets a clear error; a failing worker makes `fit` raise fast and leaves nothing behind."""
+
+import threading
+import time
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import lightning_roundpipe
+from _helpers import MLPModule, VectorData, loader, trainer
+
+
+class Boom(Exception):
+    pass
+
+
+class ThrowOnMarker(nn.Module):
+    """Raises `Boom` when its input holds the marker value (a chosen sample, so a chosen microbatch)."""
+
+    armed = True
+
+    def forward(self, x):
+        if ThrowOnMarker.armed and (x == 1234.0).any():
+            raise Boom("marker seen")
+        return x
+
+
+class Failing(MLPModule):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Sequential(nn.Identity(), nn.Linear(8, 8), ThrowOnMarker(), nn.Linear(8, 4))
+
+
+def _roundpipe_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("roundpipe-")]
+
+
+def test_worker_exception_reaches_fit_and_next_fit_works():
+    data = VectorData(n=7)
+    with torch.no_grad():
+        data.x[5] = 1234.0  # sample 5 of 7 -> microbatch 2 of 4 (sizes 2, 2, 2, 1)
+    lin = Failing()
+    with torch.no_grad():
+        lin.model[1].weight.copy_(torch.eye(8))
+        lin.model[1].bias.zero_()
+    t0 = time.perf_counter()
+    with pytest.raises(Boom) as info:
+        trainer("roundpipe", devices=3, max_steps=2).fit(lin, loader(data))
+    assert time.perf_counter() - t0 < 20
+    msg = str(info.value)
+    assert "device" in msg and "stage" in msg and "microbatch 2" in msg and "marker seen" in msg
+    assert not _roundpipe_threads()
+    ThrowOnMarker.armed = False
+    try:
+        module = Failing()
+        trainer("roundpipe", devices=3, max_steps=2).fit(module, loader(data))
+        assert module.trainer.global_step == 2
+    finally:
+        ThrowOnMarker.armed = True
+    assert not _roundpipe_threads()
+
+
+def test_unsupported_model_names_families():
+    class Odd(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 4)
+
+        def training_step(self, batch, i):
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match="module="):
+        trainer("roundpipe", devices=2, max_steps=1).fit(Odd(), loader(VectorData()))
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        trainer(lightning_roundpipe.RoundPipeStrategy(module="net"), devices=2, max_steps=1).fit(Odd(), loader(VectorData()))
+    with pytest.raises(ValueError, match="no submodule"):
+        trainer(lightning_roundpipe.RoundPipeStrategy(module="nope"), devices=2, max_steps=1).fit(Odd(), loader(VectorData()))
+    assert not _roundpipe_threads()
+
+
+def test_several_candidates_need_module_argument():
+    class Two(MLPModule):
+        def __init__(self):
+            super().__init__()
+            self.other = nn.Sequential(nn.Linear(4, 4))
+
+    with pytest.raises(ValueError, match="several"):
+        trainer("roundpipe", devices=2, max_steps=1).fit(Two(), loader(VectorData()))
+    module = Two()
+    trainer(lightning_roundpipe.RoundPipeStrategy(module="model"), devices=2, max_steps=1).fit(module, loader(VectorData()))
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(num_microbatches=0), ValueError, "num_microbatches"),
+    (dict(num_microbatches=2.5), ValueError, "num_microbatches"),
+    (dict(module=3), TypeError, "module"),
+    (dict(forward_stages=[(0, 3)]), ValueError, "backward_stages"),
+    (dict(forward_stages=["a"], backward_stages=[(0, 1)]), TypeError, "forward_stages"),
+])
+def test_bad_strategy_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        lightning_roundpipe.RoundPipeStrategy(**kwargs)
+
+
+def test_bad_partition_is_reported():
+    strategy = lightning_roundpipe.RoundPipeStrategy(forward_stages=[(0, 2), (3, 7)], backward_stages=[(0, 7)])
+    with pytest.raises(ValueError, match="tile"):
+        trainer(strategy, devices=2, max_steps=1).fit(MLPModule(), loader(VectorData()))
+
+
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true", "64-true"])
+def test_unsupported_precision(precision):
+    with pytest.raises(ValueError, match="RoundPipePrecision"):
+        trainer("roundpipe", devices=2, precision=precision)
+
+
+def test_bf16_mixed_trains():
+    module = MLPModule()
+    t = trainer("roundpipe", devices=2, precision="bf16-mixed", max_steps=3)
+    assert isinstance(t.precision_plugin, lightning_roundpipe.RoundPipePrecision)
+    t.fit(module, loader(VectorData()))
+    assert all(p.dtype == torch.float32 for p in module.parameters())  # fp32 masters
+    assert t.global_step == 3

@@ -1,0 +1,72 @@
+"""The central test: RoundPipe on CPU virtual devices ends with the same parameters as Lightning's
+default single-device strategy (fp32, max abs difference <= 1e-5)."""
+
+import pytest
+import torch
+
+import lightning_roundpipe
+from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, fit_params, max_diff, tiny_hf
+
+TOL = 1e-5
+COMMON = dict(max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.5)
+_REF: dict = {}
+
+
+def _reference(kind: str):
+    if kind not in _REF:
+        data = TokenData() if kind != "mlp" else VectorData()
+        _REF[kind] = fit_params(_factory(kind), data, **COMMON)
+    return _REF[kind]
+
+
+def _factory(kind: str):
+    if kind == "mlp":
+        return lambda: MLPModule()
+    return lambda: CausalLMModule(tiny_hf(kind))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mlp"])
+@pytest.mark.parametrize("devices", [1, 2, 3])
+@pytest.mark.parametrize("num_microbatches", [1, 2, 5])
+def test_parity_with_default_strategy(kind, devices, num_microbatches, record_property):
+    data = TokenData() if kind != "mlp" else VectorData()
+    ref = _reference(kind)
+    got = fit_params(_factory(kind), data, strategy=lightning_roundpipe.RoundPipeStrategy(num_microbatches=num_microbatches),
+                     devices=devices, **COMMON)
+    diff = max_diff(ref, got)
+    record_property("max_abs_diff", diff)
+    print(f"parity {kind} devices={devices} microbatches={num_microbatches}: max abs diff {diff:.3e}")
+    assert diff <= TOL
+    assert max_diff(got, fit_params(_factory(kind), data, max_steps=0)) > 1e-3  # training changed the weights
+
+
+def test_parity_gradient_clip_by_value_and_explicit_stages():
+    data = TokenData()
+    kw = dict(max_steps=2, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    ref = fit_params(_factory("llama"), data, **kw)
+    strategy = lightning_roundpipe.RoundPipeStrategy(
+        num_microbatches=3, forward_stages=[(0, 2), (2, 7)], backward_stages=[(5, 7), (3, 5), (0, 3)]
+    )
+    got = fit_params(_factory("llama"), data, strategy=strategy, devices=2, **kw)
+    assert max_diff(ref, got) <= TOL
+
+
+def test_parity_manual_optimization():
+    class Manual(MLPModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self.model(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            opt.step()
+            self.lr_schedulers().step()
+
+    ref = fit_params(Manual, VectorData(), max_steps=3)
+    got = fit_params(Manual, VectorData(), strategy="roundpipe", devices=3, max_steps=3)
+    assert max_diff(ref, got) <= TOL
