@@ -166,6 +166,7 @@ class Executor:
         self.workers = workers
         self.store = store
         self.autocast_dtype = autocast_dtype
+        self.profiler = None  # a runtime.profiler.LayerProfiler while profiling
         self._dispatch: dict[ActionKind, Callable] = {
             ActionKind.LOAD: self._load,
             ActionKind.F: self._forward,
@@ -229,15 +230,27 @@ class Executor:
         return torch.autocast(device_type=worker.device.type, dtype=self.autocast_dtype)
 
     def _call_layers(self, worker: DeviceWorker, run: PhaseRun, resident: ResidentStage, layers: range,
-                     carry: Any, mb: int, on_boundary: Callable[[int, Any], None] | None = None) -> Any:
+                     carry: Any, mb: int, on_boundary: Callable[[int, Any], None] | None = None,
+                     profile_kind: str | None = None) -> tuple[Any, dict[int, float]]:
+        """Run ``layers`` on ``carry``; returns the output and, when profiling, seconds per layer."""
         state = run.state
+        prof = self.profiler if (self.profiler is not None and self.profiler.enabled and profile_kind) else None
+        times: dict[int, float] = {}
         for li in layers:
             if on_boundary is not None and li != layers.start and li in state.keep:
                 on_boundary(li, carry)
             seed = layer_seed(state.base_seed, li, mb) if li in state.rng_layers else None
+            if prof is not None:
+                prof.record_activation(li, transfer.tree_nbytes(carry))
+                _sync(worker)
+                t = time.perf_counter()
             with rng_scope(seed, worker):
                 carry = functional_call(self.seq.layers[li], resident.tensors[li], (carry,))
-        return carry
+            if prof is not None:
+                _sync(worker)
+                times[li] = time.perf_counter() - t
+                prof.record(profile_kind, li, times[li])
+        return carry, times
 
     def _wait_deps(self, action: Action, run: PhaseRun) -> None:
         for dep in run.plan.dependencies(action):
@@ -275,7 +288,7 @@ class Executor:
             state.acts[(li, m)] = transfer.to_host(c, worker)[0]
 
         with torch.no_grad(), self._autocast(worker):
-            carry = self._call_layers(worker, run, stage, spec.layers, carry, m, on_boundary=save)
+            carry, _ = self._call_layers(worker, run, stage, spec.layers, carry, m, on_boundary=save, profile_kind="forward")
         host, _ = transfer.to_host(carry, worker)
         if b == len(self.seq.layers):
             state.final[m] = host
@@ -304,12 +317,18 @@ class Executor:
         incoming, _ = transfer.to_device(incoming, worker)
         with torch.enable_grad():
             with self._autocast(worker):
-                out = self._call_layers(worker, run, stage, spec.layers, carry, m)
+                out, recompute_s = self._call_layers(worker, run, stage, spec.layers, carry, m, profile_kind="recompute")
             outs = pytree.tree_leaves(out) if b == len(self.seq.layers) else _diff_leaves(out, self.seq.grad_keys)
             pairs = [(o, g) for o, g in zip(outs, incoming)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+            tb = time.perf_counter()
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+            if recompute_s:
+                _sync(worker)
+                total, rec = time.perf_counter() - tb, sum(recompute_s.values()) or 1.0
+                for li, r in recompute_s.items():  # split over the stage's layers like their recompute
+                    self.profiler.record("backward", li, total * r / rec)
         if a > 0:
             state.grads[(a, m)] = transfer.to_host([leaf.grad for leaf in leaves], worker)[0]
         self._record(run, worker, "B", action, t, 0)
@@ -327,6 +346,11 @@ class Executor:
             moved = self.store.commit_grads(stage, worker)
             self._record(run, worker, "D2H", action, t, moved)
         run.committed[action.stage_index].set()
+
+
+def _sync(worker: DeviceWorker) -> None:
+    if worker.is_cuda:
+        torch.cuda.current_stream(worker.device).synchronize()
 
 
 def _grad_leaves(carry: dict, keys: tuple[str, ...]) -> tuple[dict, list[torch.Tensor]]:
