@@ -70,3 +70,22 @@ def test_parity_manual_optimization():
     ref = fit_params(Manual, VectorData(), max_steps=3)
     got = fit_params(Manual, VectorData(), strategy="roundpipe", devices=3, max_steps=3)
     assert max_diff(ref, got) <= TOL
+
+
+def test_auto_partition_after_profiling_keeps_parity():
+    data = TokenData()
+    kw = dict(max_steps=6, accumulate_grad_batches=1, gradient_clip_val=0.5)
+    ref = fit_params(_factory("llama"), data, **kw)
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=4, partition="auto", profile_steps=2)
+    seen = []
+
+    class Spy(lightning_roundpipe.RoundPipeMetricsCallback):
+        def on_train_batch_end(self, trainer, *args, **kwargs):
+            super().on_train_batch_end(trainer, *args, **kwargs)
+            seen.append(trainer.strategy.engine.partition)
+
+    got = fit_params(_factory("llama"), data, strategy=strategy, devices=3, callbacks=[Spy()], **kw)
+    assert seen[0].objective_s is None  # the simple plan during the warm-up step
+    assert all(p.objective_s is not None for p in seen[1:])  # the measured plan from the end of step 2 on
+    print("auto partition:", seen[-1])
+    assert max_diff(ref, got) <= TOL

@@ -11,7 +11,8 @@ from lightning_roundpipe.metrics.step import step_metrics
 
 
 class RoundPipeMetricsCallback(Callback):
-    """Logs :func:`~lightning_roundpipe.metrics.step_metrics` after every training batch.
+    """Logs :func:`~lightning_roundpipe.metrics.step_metrics` after every training batch, and tells
+    the engine a step ended (the automatic partition profiles the first steps).
 
     Keys look like ``roundpipe/device0/bubble(%)``; they go to every logger of the Trainer (W&B,
     CSV, TensorBoard) at the Trainer's ``log_every_n_steps``. Evaluation phases are not logged.
@@ -22,6 +23,7 @@ class RoundPipeMetricsCallback(Callback):
         engine = getattr(trainer.strategy, "engine", None)
         if engine is None:
             return
+        engine.end_step()
         metrics = step_metrics(engine.pop_timelines())
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)

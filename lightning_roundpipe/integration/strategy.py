@@ -55,8 +55,14 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             devices + 1 (paper section 3: bubbles nearly vanish once microbatches >= devices + 1).
         module: attribute of the LightningModule to pipeline (dotted paths allowed); default: the one
             child that is a supported model (HF causal LM, also under PEFT, or ``nn.Sequential``).
+        partition: ``"auto"`` (default): start with the simple partition (forward stages of 3
+            layers, backward stages of 1) while every layer is profiled for ``profile_steps``
+            training steps, then re-cut the stages with the automatic partitioner from the measured
+            times (DESIGN.md section 6); ``"default"``: keep the simple partition.
+        profile_steps: training steps profiled before the automatic partition (>= 2; the first
+            is warm-up and dropped).
         forward_stages: optional explicit forward stage boundaries: ascending ``range`` s or
-            ``(start, stop)`` pairs of layer indices of the layer sequence.
+            ``(start, stop)`` pairs of layer indices of the layer sequence (overrides ``partition``).
         backward_stages: optional explicit backward stage boundaries, tail first.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning strategies;
             ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``.
@@ -72,6 +78,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         self,
         num_microbatches: int | None = None,
         module: str | None = None,
+        partition: str = "auto",
+        profile_steps: int = 3,
         forward_stages: StageRanges | None = None,
         backward_stages: StageRanges | None = None,
         accelerator: Any = None,
@@ -86,6 +94,11 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             )
         if module is not None and not isinstance(module, str):
             raise TypeError(f"`module` must be the name of a LightningModule attribute (str) or None, got {type(module).__name__}.")
+        if partition not in ("auto", "default"):
+            raise ValueError(f"`partition` must be one of ['auto', 'default'], got {partition!r}."
+                             " HINT: pass explicit stages with `forward_stages=` and `backward_stages=`.")
+        if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 2:
+            raise ValueError(f"`profile_steps` must be an int >= 2 (the first step is warm-up), got {profile_steps!r}.")
         if (forward_stages is None) != (backward_stages is None):
             raise ValueError("Pass both `forward_stages` and `backward_stages`, or neither (default partition).")
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
@@ -94,6 +107,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         self.module_name = module
         fwd, bwd = _as_ranges("forward_stages", forward_stages), _as_ranges("backward_stages", backward_stages)
         self.partition = PartitionPlan(fwd, bwd) if fwd is not None else None
+        self.partition_mode = "explicit" if fwd is not None else partition
+        self.profile_steps = profile_steps
         self.engine: RoundPipeEngine | None = None
         self._callback = None
 
@@ -132,7 +147,13 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         precision = self.precision_plugin
         devices = [torch.device(d) for d in (self.parallel_devices or [torch.device("cpu")])]
         m = self.num_microbatches or len(devices) + 1
-        self.engine = RoundPipeEngine(seq, devices, m, self.partition, precision.compute_dtype, precision.autocast_dtype)
+        auto = self.partition_mode == "auto" and trainer.state.fn == TrainerFn.FITTING
+        stage_memory = None
+        if devices[0].type == "cuda":
+            stage_memory = torch.cuda.get_device_properties(devices[0]).total_memory // 2  # double buffering
+        self.engine = RoundPipeEngine(seq, devices, m, self.partition, precision.compute_dtype, precision.autocast_dtype,
+                                      auto_partition_after_steps=self.profile_steps if auto else None,
+                                      stage_memory_bytes=stage_memory)
         self.engine.install()
         log.info("RoundPipe: pipelining `%s` (%s, %d layers) on %d device(s), %d microbatches",
                  type(seq.target).__name__, seq.family, len(seq), len(devices), m)

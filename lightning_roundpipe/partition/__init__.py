@@ -1,6 +1,36 @@
-"""Layer profiles, hardware model and the automatic partitioner (DESIGN.md section 6)."""
+"""Layer profiles, hardware model and the automatic partitioner (DESIGN.md section 6).
 
+Pure: no Lightning, no devices (the cost model may build a model on torch's meta device).
+"""
+
+from lightning_roundpipe.partition.costmodel import (
+    CostModel,
+    LayerCost,
+    LoRASpec,
+    ModelledProfiles,
+    ModelShape,
+    meta_param_counts,
+    model_profiles,
+)
+from lightning_roundpipe.partition.partitioner import (
+    METHODS,
+    StageSummary,
+    auto_partition,
+    describe_stages,
+    min_stage_memory_bytes,
+    plan_objective_s,
+    schedule_ranges,
+    stage_cost_s,
+    stage_memory,
+)
+from lightning_roundpipe.partition.presets import preset_config, preset_hf_config, preset_names
 from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
 
-__all__ = ["HardwareModel", "LayerProfile", "PartitionPlan"]
+__all__ = [
+    "HardwareModel", "LayerProfile", "PartitionPlan",
+    "METHODS", "StageSummary", "auto_partition", "describe_stages", "min_stage_memory_bytes", "plan_objective_s", "schedule_ranges",
+    "stage_cost_s", "stage_memory",
+    "CostModel", "LayerCost", "LoRASpec", "ModelledProfiles", "ModelShape", "meta_param_counts", "model_profiles",
+    "preset_config", "preset_hf_config", "preset_names",
+]

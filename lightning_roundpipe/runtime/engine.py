@@ -21,6 +21,7 @@ from lightning_roundpipe.runtime.autograd import attach
 from lightning_roundpipe.runtime.devices import DeviceWorker
 from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.microbatch import merge_leaves, split_grads, split_microbatches
+from lightning_roundpipe.runtime.profiler import LayerProfiler
 from lightning_roundpipe.runtime.store import WeightStore
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages, default_stage_ranges
 
@@ -38,6 +39,12 @@ class RoundPipeEngine:
             backward stages of 1 layer (:func:`default_stage_ranges`).
         compute_dtype: dtype of uploaded parameters (``None``: as the masters).
         autocast_dtype: ``torch.autocast`` dtype on the workers (``None``: no autocast).
+        auto_partition_after_steps: profile every layer during this many steps (the first is
+            dropped as warm-up), then re-cut the stages with
+            :func:`~lightning_roundpipe.partition.auto_partition` from the measured times; ``None``
+            keeps ``partition`` for good.
+        stage_memory_bytes: per-stage memory budget for the automatic partition, bytes (half of a
+            device's memory: the next stage is prefetched); ``None``: no limit (CPU virtual devices).
 
     Raises:
         ValueError: for an empty device list, ``num_microbatches < 1`` or a partition that does not
@@ -46,7 +53,8 @@ class RoundPipeEngine:
 
     def __init__(self, seq: LayerSequence, devices: Sequence[torch.device], num_microbatches: int,
                  partition: PartitionPlan | None = None, compute_dtype: torch.dtype | None = None,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+                 autocast_dtype: torch.dtype | None = None, auto_partition_after_steps: int | None = None,
+                 stage_memory_bytes: int | None = None) -> None:
         if not devices:
             raise ValueError("`devices` is empty: RoundPipe needs at least one device.")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -65,6 +73,14 @@ class RoundPipeEngine:
         self._timelines: list[Timeline] = []
         self._lock = threading.Lock()
         self._original_forward = None
+        self.stage_memory_bytes = stage_memory_bytes
+        self.auto_partition_after_steps = auto_partition_after_steps
+        if auto_partition_after_steps is not None:
+            if not isinstance(auto_partition_after_steps, int) or auto_partition_after_steps < 2:
+                raise ValueError(
+                    f"`auto_partition_after_steps` must be an int >= 2 (the first step is warm-up), got {auto_partition_after_steps!r}."
+                )
+            self.executor.profiler = LayerProfiler(len(seq))
 
     # ------------------------------------------------------------------ install / close
     def install(self) -> None:
@@ -166,6 +182,41 @@ class RoundPipeEngine:
         timeline = self.executor.run(plan, state)
         with self._lock:
             self._timelines.append(timeline)
+
+    # ------------------------------------------------------------------ automatic partition
+    def end_step(self) -> PartitionPlan | None:
+        """Call after every training step: folds the step's layer timings into the profile and,
+        after ``auto_partition_after_steps`` steps, switches to the automatic partition.
+
+        Returns:
+            The new partition when it was switched at this step, else ``None``.
+        """
+        prof = self.executor.profiler
+        if prof is None or not prof.enabled:
+            return None
+        prof.end_step()
+        if prof.steps_seen < self.auto_partition_after_steps or not prof.ready:
+            return None
+        from lightning_roundpipe.partition import auto_partition, describe_stages
+
+        prof.enabled = False
+        param_bytes = [self.store.layer_param_bytes(i) for i in range(len(self.seq))]
+        profiles = prof.profiles(param_bytes)
+        new = auto_partition(profiles, len(self.workers), self.stage_memory_bytes)
+        if (new.forward_stages, new.backward_stages) != (self.partition.forward_stages, self.partition.backward_stages):
+            rows = "\n".join(
+                f"  stage {s.stage_index:3d} {s.kind:8s} layers {s.layers.start}..{s.layers.stop - 1}"
+                f"  cost {s.cost_s * 1e3:9.3f} ms  params {s.param_bytes / 2**20:9.2f} MiB"
+                for s in describe_stages(new, profiles))
+            log.info("RoundPipe: automatic partition from %d measured steps (objective %.3f ms):\n%s",
+                     prof.steps_seen - prof.skip_steps, (new.objective_s or 0.0) * 1e3, rows)
+            self.set_partition(new)
+        return new
+
+    @property
+    def layer_profiler(self) -> LayerProfiler | None:
+        """The profiler of the automatic partition (``None`` when it is off)."""
+        return self.executor.profiler
 
     # ------------------------------------------------------------------ metrics
     def pop_timelines(self) -> list[Timeline]:

@@ -1,0 +1,331 @@
+"""`roundpipe plan`: partition a model for N devices from its config alone and predict the step.
+
+Example (the paper's Qwen3-32B setting on 8x RTX 4090)::
+
+    roundpipe plan --preset qwen3-32b --devices 8 --device-memory-gib 24 --h2d-gbps 25 \\
+        --tflops 165 --seq-len 2048 --microbatch-size 4
+
+Prints the stage table (layers, bytes, seconds per microbatch, forward and backward), the
+device-by-step grid of the round-robin plan, predicted tokens/s, per-device idle %, peak device
+memory and the longest sequence that fits. No weights are allocated: layer costs come from
+:mod:`lightning_roundpipe.partition.costmodel` (arithmetic on the config), times of the whole step
+from :mod:`lightning_roundpipe.simulate` (steady state: the next step's fill overlaps this one's drain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from lightning_roundpipe.partition.costmodel import CostModel, LoRASpec, ModelledProfiles, ModelShape, model_profiles
+from lightning_roundpipe.partition.partitioner import (
+    METHODS,
+    StageSummary,
+    auto_partition,
+    describe_stages,
+    min_stage_memory_bytes,
+    schedule_ranges,
+)
+from lightning_roundpipe.partition.presets import canonical_preset_name, preset_config, preset_names
+from lightning_roundpipe.partition.profile import HardwareModel
+from lightning_roundpipe.partition.types import PartitionPlan
+from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages
+
+GiB = 2**30
+_MAX_SEQ_LEN = 1 << 22  # search bound of the longest-sequence estimate, tokens
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanReport:
+    """Everything `roundpipe plan` prints, as data (tests read this)."""
+
+    modelled: ModelledProfiles
+    """Layer sequence with modelled costs."""
+    hardware: HardwareModel
+    """The device model."""
+    num_devices: int
+    """Devices of the round robin."""
+    num_microbatches: int
+    """Microbatches per step."""
+    partition: PartitionPlan
+    """The partitioner's result."""
+    stages: tuple[StageSummary, ...]
+    """Stages in round-robin order."""
+    execution_plan: ExecutionPlan
+    """The round-robin plan (stage k on device k mod D)."""
+    step_s: float
+    """Predicted seconds per step (steady state when the simulator ran)."""
+    idle_pct: tuple[float, ...]
+    """Predicted idle share per device, percent."""
+    predictor: str
+    """What produced ``step_s`` / ``idle_pct``."""
+    peak_device_memory_bytes: int
+    """Largest device memory of any stage plus the prefetched weights of that device's next stage, bytes."""
+    max_seq_len: int
+    """Longest sequence (tokens, at this microbatch size) whose every layer fits the per-stage budget."""
+    max_seq_len_mb1: int
+    """The same with one sequence per microbatch."""
+    stage_memory_bytes: int
+    """The per-stage memory budget used, bytes."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_microbatches * self.modelled.tokens_per_microbatch / self.step_s
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `roundpipe plan`."""
+    p = subparsers.add_parser(
+        "plan",
+        help="partition a model for N devices from its config and predict throughput (no weights loaded)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help=f"model shape preset, one of {preset_names()}")
+    src.add_argument("--model", metavar="PATH", help="a local Hugging Face config.json (file or folder)")
+    p.add_argument("--devices", type=int, default=8, help="number of devices D (default 8)")
+    p.add_argument("--device-memory-gib", type=float, default=24.0, help="memory of one device, GiB (default 24)")
+    p.add_argument("--stage-memory-gib", type=float, default=None,
+                   help="per-stage memory budget, GiB (default: half of --device-memory-gib, as the next stage is prefetched)")
+    p.add_argument("--h2d-gbps", type=float, default=25.0, help="host-to-device bandwidth per device, GB/s (1e9 bytes/s; default 25)")
+    p.add_argument("--d2h-gbps", type=float, default=None, help="device-to-host bandwidth, GB/s (default: --h2d-gbps)")
+    p.add_argument("--duplex-h2d-gbps", type=float, default=None,
+                   help="host-to-device bandwidth while downloads run too, GB/s (default: --h2d-gbps)")
+    p.add_argument("--tflops", type=float, default=165.0,
+                   help="dense peak of one device in the compute dtype, TFLOP/s (RTX 4090: 165 bf16, 330 fp16 with fp16 accumulation)")
+    p.add_argument("--efficiency", type=float, default=CostModel().gemm_efficiency,
+                   help="achieved share of --tflops for dense GEMMs (default %(default)s, fitted to the paper's 4090 timings)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--microbatch-size", type=int, default=4, help="sequences per microbatch (default 4)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step M (default devices + 1: bubbles nearly vanish once M >= D + 1)")
+    p.add_argument("--lora", action="store_true", help="LoRA: frozen base, only adapters train")
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
+    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes of the compute dtype (default 2: bf16/fp16)")
+    p.add_argument("--method", choices=METHODS, default="optimal", help="partitioner (default optimal)")
+    p.add_argument("--grid-rows", type=int, default=40, help="grid rows shown before truncating (0: all; default 40)")
+    p.add_argument("--full-table", action="store_true", help="one row per stage (default: alike neighbours share a row)")
+    p.set_defaults(func=run)
+    return p
+
+
+# ---------------------------------------------------------------------- building the report
+def make_report(args: argparse.Namespace) -> PlanReport:
+    """Compute the plan and its predictions from parsed `roundpipe plan` arguments.
+
+    Raises:
+        ValueError: a bad argument value (named, with the valid range), or a layer that does not fit
+            the per-stage memory budget.
+    """
+    for name in ("devices", "seq_len", "microbatch_size", "lora_rank", "dtype_bytes"):
+        v = getattr(args, name)
+        if v < 1:
+            raise ValueError(f"`--{name.replace('_', '-')}` must be >= 1, got {v}.")
+    if args.microbatches is not None and args.microbatches < 1:
+        raise ValueError(f"`--microbatches` must be >= 1, got {args.microbatches}.")
+    if not 0 < args.efficiency <= 1:
+        raise ValueError(f"`--efficiency` must be in (0, 1], got {args.efficiency}.")
+    if args.preset is not None:
+        key = canonical_preset_name(args.preset)
+        shape = ModelShape.from_config(preset_config(key))
+    else:
+        shape = ModelShape.load(args.model)
+    gbps = 1e9
+    hw = HardwareModel(
+        flops_per_s=args.tflops * 1e12,
+        h2d_bytes_per_s=args.h2d_gbps * gbps,
+        d2h_bytes_per_s=(args.d2h_gbps or args.h2d_gbps) * gbps,
+        h2d_duplex_bytes_per_s=None if args.duplex_h2d_gbps is None else args.duplex_h2d_gbps * gbps,
+        memory_bytes=int(args.device_memory_gib * GiB),
+    )
+    cm = CostModel(gemm_efficiency=args.efficiency)
+    lora = LoRASpec(rank=args.lora_rank) if args.lora else None
+    D = args.devices
+    M = args.microbatches or D + 1
+    budget = hw.memory_bytes // 2 if args.stage_memory_gib is None else int(args.stage_memory_gib * GiB)
+    if not 0 < budget <= hw.memory_bytes:
+        raise ValueError(f"`--stage-memory-gib` must be in (0, --device-memory-gib], got {args.stage_memory_gib}.")
+
+    def modelled(seq_len: int, mb: int) -> ModelledProfiles:
+        return model_profiles(shape, hw, seq_len=seq_len, microbatch_size=mb, compute_dtype_bytes=args.dtype_bytes,
+                              lora=lora, cost_model=cm)
+
+    mp = modelled(args.seq_len, args.microbatch_size)
+    part = auto_partition(mp.profiles, D, budget, args.method, saved_activation_bytes=mp.saved_activation_bytes)
+    stages = tuple(describe_stages(part, mp.profiles, mp.saved_activation_bytes))
+    fwd, bwd = schedule_ranges(part)
+    eplan = build_roundpipe_plan(build_stages(fwd, bwd, fused_tail=True), D, M)
+    step_s, idle, predictor = _predict(eplan, mp, hw)
+    return PlanReport(
+        modelled=mp, hardware=hw, num_devices=D, num_microbatches=M, partition=part, stages=stages,
+        execution_plan=eplan, step_s=step_s, idle_pct=idle, predictor=predictor,
+        peak_device_memory_bytes=peak_device_memory(stages, D),
+        max_seq_len=longest_sequence(lambda s: modelled(s, args.microbatch_size), budget),
+        max_seq_len_mb1=longest_sequence(lambda s: modelled(s, 1), budget),
+        stage_memory_bytes=budget,
+    )
+
+
+def peak_device_memory(stages: Sequence[StageSummary], num_devices: int) -> int:
+    """Peak bytes on any device: a stage's memory plus the weights of the stage prefetched after it on
+    the same device (stage ``k + D`` in round-robin order)."""
+    peak = 0
+    for k, s in enumerate(stages):
+        nxt = stages[k + num_devices].param_bytes if k + num_devices < len(stages) else 0
+        peak = max(peak, s.memory_bytes + nxt)
+    return peak
+
+
+def longest_sequence(modelled: Callable[[int], ModelledProfiles], stage_memory_bytes: int) -> int:
+    """Longest sequence length (tokens) for which every single layer fits a backward stage within
+    ``stage_memory_bytes`` (so a partition exists; stage memory grows with the sequence). 0 if none.
+
+    Args:
+        modelled: sequence length -> modelled profiles (microbatch size fixed by the caller).
+        stage_memory_bytes: the per-stage budget, bytes.
+    """
+
+    def fits(seq_len: int) -> bool:
+        mp = modelled(seq_len)
+        return min_stage_memory_bytes(mp.profiles, mp.saved_activation_bytes) <= stage_memory_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= _MAX_SEQ_LEN and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > _MAX_SEQ_LEN:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _predict(plan: ExecutionPlan, mp: ModelledProfiles, hw: HardwareModel) -> tuple[float, tuple[float, ...], str]:
+    """Step seconds and per-device idle % from the simulator (steady state); falls back to a
+    compute-only list-order walk (transfers free, one step with fill and drain) if it is unavailable."""
+    try:
+        from lightning_roundpipe.simulate.engine import simulate
+    except ImportError:
+        simulate = None
+    if simulate is not None:
+        res = simulate(plan, mp.profiles, hw, steady_state=True)
+        return float(res.iteration_s), tuple(float(x) for x in res.idle_pct), "simulator, steady state"
+    from lightning_roundpipe.schedule import walk_in_order
+
+    cost = {}
+    for spec in plan.stages:
+        per_layer = (lambda p: p.forward_s) if spec.kind == "forward" else (lambda p: p.recompute_backward_s)
+        cost[spec.stage_index] = sum(per_layer(mp.profiles[i]) for i in spec.layers)
+    events = walk_in_order(plan, lambda a: cost[a.stage_index] if a.kind.is_compute else 0.0)
+    wall = max(e for _, _, _, e in events)
+    busy = [0.0] * plan.num_devices
+    for d, a, s, e in events:
+        busy[d] += e - s
+    return wall, tuple(100.0 * (1 - b / wall) for b in busy), "compute-only walk (simulator unavailable)"
+
+
+# ---------------------------------------------------------------------- printing
+def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) -> str:
+    """The text `roundpipe plan` prints."""
+    mp, hw, sh = r.modelled, r.hardware, r.modelled.shape
+    total_params = sum(c.param_count for c in mp.costs)
+    trainable = sum(c.trainable_param_count for c in mp.costs)
+    nf = sum(1 for s in r.stages if s.kind == "forward")
+    nb = len(r.stages) - nf
+    lines = [
+        f"model: {sh.name} ({sh.model_type}, {sh.num_hidden_layers} decoder layers, layer sequence L = {sh.num_layers};"
+        f" {total_params / 1e9:.2f}B weights, {trainable / 1e9:.3g}B trainable{', LoRA r=' + str(mp.lora.rank) if mp.lora else ''})",
+        f"workload: microbatch {mp.microbatch_size} x {mp.seq_len} tokens = {mp.tokens_per_microbatch} tokens,"
+        f" {r.num_microbatches} microbatches per step ({r.num_microbatches * mp.tokens_per_microbatch} tokens)",
+        f"hardware: {r.num_devices} devices x {hw.memory_bytes / GiB:.1f} GiB, {hw.flops_per_s / 1e12:.0f} TFLOP/s peak"
+        f" (GEMM efficiency {mp.cost_model.gemm_efficiency:.2f}), H2D {hw.h2d_bytes_per_s / 1e9:.1f} GB/s,"
+        f" D2H {hw.d2h_bytes_per_s / 1e9:.1f} GB/s; per-stage memory budget {r.stage_memory_bytes / GiB:.1f} GiB",
+        f"partition: {nf} forward + {nb} backward stages (incl. the fused tail) = {len(r.stages)} stages;"
+        f" objective max(S, D) x W = {r.partition.objective_s:.3f} s",
+        "",
+        _stage_table(r, full_table),
+        "",
+        f"round-robin plan (stage k on device k mod {r.num_devices}; unit time per compute):",
+        _truncated_grid(r.execution_plan, grid_rows),
+        "",
+        f"predicted step: {r.step_s:.3f} s  ->  {r.tokens_per_s:,.0f} tokens/s  [{r.predictor}]",
+        "idle per device (%): " + "  ".join(f"dev{d} {x:.1f}" for d, x in enumerate(r.idle_pct))
+        + f"   (mean {sum(r.idle_pct) / len(r.idle_pct):.1f})",
+        f"peak device memory: {r.peak_device_memory_bytes / GiB:.2f} GiB of {hw.memory_bytes / GiB:.1f} GiB"
+        " (a stage + the prefetched weights of the device's next stage)",
+        f"longest sequence that fits: {r.max_seq_len:,} tokens at microbatch size {mp.microbatch_size}"
+        + (f"; {r.max_seq_len_mb1:,} tokens at microbatch size 1" if mp.microbatch_size != 1 else "")
+        + f" (every layer within the {r.stage_memory_bytes / GiB:.1f} GiB per-stage budget)",
+    ]
+    if r.peak_device_memory_bytes > hw.memory_bytes:
+        lines.append("WARNING: the peak exceeds the device memory (a stage plus the next stage's prefetched weights);"
+                     " HINT: lower `--stage-memory-gib` (default: half the device memory).")
+    return "\n".join(lines)
+
+
+def _stage_table(r: PlanReport, full: bool = False) -> str:
+    """One row per stage; runs of 3+ identical consecutive stages share a row (``x N``) unless ``full``."""
+    head = (f"{'stage':>7} {'kind':<8} {'layers':<11} {'layers/stage':>12} {'weights GiB':>11} {'grads GiB':>9}"
+            f" {'mem GiB':>7} {'compute ms':>10} {'upload ms':>9}")
+    rows = [head, "-" * len(head)]
+    L = len(r.modelled.profiles)
+    groups: list[list[StageSummary]] = []
+    for s in r.stages:
+        key = (s.kind, len(s.layers), s.param_bytes, s.grad_bytes, s.memory_bytes, round(s.cost_s, 9))
+        prev = groups[-1][-1] if groups else None
+        same = prev is not None and key == (prev.kind, len(prev.layers), prev.param_bytes, prev.grad_bytes,
+                                            prev.memory_bytes, round(prev.cost_s, 9))
+        if same and not full:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    for g in groups:
+        if len(g) < 3:
+            rows += [_stage_row(r, [s], L) for s in g]
+        else:
+            rows.append(_stage_row(r, g, L))
+    rows.append("  (* holds the prefix (layer 0: embedding) or the tail (last layer: norm, LM head, loss); `a-b xN`: N stages"
+                " alike; compute ms per stage and microbatch: forward, or recompute + backward, or the tail's forward + backward)")
+    return "\n".join(rows)
+
+
+def _stage_row(r: PlanReport, group: list[StageSummary], num_layers: int) -> str:
+    s = group[0]
+    lo = min(x.layers.start for x in group)
+    hi = max(x.layers.stop for x in group) - 1
+    label = f"{lo}..{hi}" if hi > lo else f"{lo}"
+    if num_layers > 2 and (lo == 0 or hi == num_layers - 1):
+        label += "*"
+    idx = f"{group[0].stage_index}" if len(group) == 1 else f"{group[0].stage_index}-{group[-1].stage_index}"
+    per = f"{len(s.layers)}" if len(group) == 1 else f"{len(s.layers)} x{len(group)}"
+    upload_ms = 1e3 * s.param_bytes / r.hardware.h2d_bytes_per_s
+    return (f"{idx:>7} {s.kind:<8} {label:<11} {per:>12} {s.param_bytes / GiB:>11.2f} {s.grad_bytes / GiB:>9.2f}"
+            f" {s.memory_bytes / GiB:>7.2f} {1e3 * s.cost_s:>10.1f} {upload_ms:>9.1f}")
+
+
+def _truncated_grid(plan: ExecutionPlan, max_rows: int) -> str:
+    grid = plan.format_grid().splitlines()
+    head, body = grid[:2], grid[2:]
+    if max_rows <= 0 or len(body) <= max_rows:
+        return "\n".join(grid)
+    keep_top = max_rows - max_rows // 4
+    keep_bottom = max_rows // 4
+    omitted = len(body) - keep_top - keep_bottom
+    return "\n".join(head + body[:keep_top] + [f" ... | ({omitted} steps omitted; --grid-rows 0 shows all)"]
+                     + body[len(body) - keep_bottom:])
+
+
+def run(args: argparse.Namespace) -> int:
+    """`roundpipe plan`: print the report; exit status 2 on a bad input (message on stderr)."""
+    try:
+        report = make_report(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"roundpipe plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report, args.grid_rows, args.full_table))
+    return 0

@@ -1,0 +1,492 @@
+"""Modelled layer profiles: FLOPs and bytes per layer from a Hugging Face config, no weights allocated.
+
+The layer sequence is the one the adapters build (``adapters/hf_causal_lm.py``): entry 0 is the
+*prefix* (token embedding, rotary tables, mask), entries ``1..N`` are the decoder layers, entry
+``N + 1`` is the *tail* (final norm, LM head, loss): ``L = num_hidden_layers + 2`` entries.
+
+Everything is arithmetic on the config (:class:`ModelShape`); :func:`meta_param_counts` builds the
+model on torch's meta device to check the parameter counts. Times follow a roofline-style sum
+(:class:`CostModel`): GEMM FLOPs / (efficiency x device FLOP/s) + attention FLOPs / (efficiency x
+FLOP/s) + element-wise bytes / device memory bandwidth. A backward costs about 2x a forward in FLOPs
+(input and weight gradients); with LoRA the frozen base needs only the input gradient (1x). The
+default efficiencies are fitted to the paper's per-layer timings on an RTX 4090
+(``/work/shared/data/paper_layer_timings_4090.csv``, fp16 with fp16 accumulation, 330 TFLOP/s peak);
+``docs/partitioner.md`` lists how close the model gets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Sequence
+
+from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile
+
+LayerKind = Literal["prefix", "decoder", "tail"]
+
+#: ``model_type`` s whose config the arithmetic understands (llama-style layout: q/k/v/o projections,
+#: gated MLP or MoE experts, RMSNorm). Others are tried with the same keys.
+KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+_LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The numbers of a decoder-only causal LM that set its per-layer cost (from ``config.json``)."""
+
+    name: str
+    """Label for tables (``_name_or_path`` or the preset name)."""
+    model_type: str
+    """Hugging Face ``model_type`` (``qwen3``, ``llama``, ``qwen3_moe``...)."""
+    hidden_size: int
+    """Width of the residual stream, elements."""
+    intermediate_size: int
+    """Width of the dense gated MLP, elements (unused by MoE layers)."""
+    num_hidden_layers: int
+    """Number of decoder layers ``N``."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """Key/value heads (grouped-query attention)."""
+    head_dim: int
+    """Elements per attention head."""
+    vocab_size: int
+    """Rows of the embedding and of the LM head."""
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding weight (it is still uploaded by both the prefix and the tail stage)."""
+    qk_norm: bool = False
+    """RMSNorm on queries and keys per head (Qwen3)."""
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (``k`` of top-k)."""
+    moe_intermediate_size: int = 0
+    """Width of one expert's gated MLP, elements."""
+    moe_layers: tuple[bool, ...] = ()
+    """Per decoder layer, whether its MLP is the MoE block (empty: all dense)."""
+
+    @property
+    def num_layers(self) -> int:
+        """Entries of the layer sequence: prefix + decoder layers + tail."""
+        return self.num_hidden_layers + 2
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` (0-based) has the MoE MLP."""
+        return bool(self.moe_layers) and self.moe_layers[index]
+
+    @classmethod
+    def from_config(cls, config: Any, name: str | None = None) -> "ModelShape":
+        """Read the shape from a ``transformers`` config object or a ``config.json`` dict.
+
+        A multimodal config's ``text_config`` is used when present.
+
+        Raises:
+            ValueError: a required field is missing or not positive (named, with the model type).
+            TypeError: ``config`` is neither a mapping nor a config object.
+        """
+        if hasattr(config, "to_dict") and not isinstance(config, Mapping):
+            config = config.to_dict()
+        if not isinstance(config, Mapping):
+            raise TypeError(
+                f"`config` must be a transformers config object or a dict of config.json fields, got"
+                f" {type(config).__name__}. HINT: `ModelShape.load('path/to/config.json')`."
+            )
+        cfg = dict(config)
+        if isinstance(cfg.get("text_config"), Mapping) and "hidden_size" not in cfg:
+            cfg = {**cfg["text_config"], "_name_or_path": cfg.get("_name_or_path", "")}
+        model_type = str(cfg.get("model_type", "unknown"))
+
+        def need(key: str, *alts: str) -> int:
+            for k in (key, *alts):
+                if cfg.get(k) is not None:
+                    v = int(cfg[k])
+                    if v <= 0:
+                        raise ValueError(f"Config field `{k}` must be > 0 for model_type `{model_type}`, got {v}.")
+                    return v
+            raise ValueError(
+                f"Config of model_type `{model_type}` lacks `{key}`"
+                + (f" (or {', '.join(f'`{a}`' for a in alts)})" if alts else "")
+                + f". The cost model reads llama-style decoder configs ({', '.join(KNOWN_MODEL_TYPES)}); HINT: pass"
+                " the `config.json` of a Hugging Face decoder-only causal LM."
+            )
+
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        layers = need("num_hidden_layers")
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+        moe_layers: tuple[bool, ...] = ()
+        moe_inter = 0
+        if experts > 0:
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            mlp_only = set(cfg.get("mlp_only_layers") or ())
+            moe_layers = tuple((i not in mlp_only) and (i + 1) % step == 0 for i in range(layers))
+            moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+            if moe_inter <= 0:
+                raise ValueError(f"MoE config of model_type `{model_type}` lacks `moe_intermediate_size`.")
+        return cls(
+            name=name or str(cfg.get("_name_or_path") or model_type),
+            model_type=model_type,
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("intermediate_size") or 0) if experts else need("intermediate_size"),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=head_dim,
+            vocab_size=need("vocab_size"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=model_type in _QK_NORM_TYPES,
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            num_experts=experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            moe_intermediate_size=moe_inter,
+            moe_layers=moe_layers,
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ModelShape":
+        """Read a local ``config.json`` (a file, or a folder holding one).
+
+        Raises:
+            FileNotFoundError: no such file / no ``config.json`` in the folder.
+            ValueError: the file is not JSON or lacks required fields.
+        """
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            p = os.path.join(p, "config.json")
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"No Hugging Face config at `{path}` (looked for `{p}`). HINT: pass a config.json file or its folder.")
+        try:
+            with open(p, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"`{p}` is not valid JSON: {e}.") from e
+        default_name = os.path.basename(os.path.dirname(os.path.abspath(p))) or p
+        return cls.from_config(data, name=data.get("_name_or_path") or default_name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRASpec:
+    """LoRA fine-tuning: the base is frozen, only rank-``rank`` adapters train."""
+
+    rank: int = 16
+    """Adapter rank ``r``; an adapter on an ``in x out`` projection has ``r * (in + out)`` weights."""
+    target_modules: tuple[str, ...] = _LORA_DEFAULT_TARGETS
+    """Projections that get an adapter. Experts of MoE layers (fused 3-D weights) get none."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"`LoRASpec.rank` must be >= 1, got {self.rank}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """Modelled work of one entry of the layer sequence for one microbatch (hardware independent)."""
+
+    name: str
+    """``prefix``, ``decoder.<i>`` or ``tail``."""
+    kind: LayerKind
+    """Which part of the layer sequence."""
+    param_count: int
+    """Weights uploaded for this layer (base plus adapters), elements."""
+    trainable_param_count: int
+    """Weights that receive gradients, elements."""
+    forward_gemm_flops: float
+    """Dense matrix-multiply FLOPs of one forward (projections, dense MLP, router, LM head, adapters)."""
+    forward_expert_flops: float = 0.0
+    """MoE expert FLOPs of one forward (grouped GEMMs, fewer tokens each: lower efficiency)."""
+    forward_attention_flops: float = 0.0
+    """FLOPs of ``QK^T`` and ``PV`` (causal: half the square, as flash attention skips masked blocks)."""
+    backward_gemm_flops: float = 0.0
+    """Dense GEMM FLOPs of the backward without recomputation (2x forward; 1x for a frozen base)."""
+    backward_expert_flops: float = 0.0
+    """Expert GEMM FLOPs of the backward."""
+    backward_attention_flops: float = 0.0
+    """Attention backward FLOPs (2.5x forward: five matmuls against two)."""
+    forward_elementwise_bytes: float = 0.0
+    """Memory traffic of the eager element-wise ops of one forward (norms, rotary, residual, SwiGLU), bytes."""
+    forward_fused_bytes: float = 0.0
+    """Memory traffic of fused kernels of one forward (the compiled loss), bytes."""
+    backward_has_work: bool = True
+    """False when nothing needs a gradient through this layer (LoRA prefix: frozen embedding of token ids)."""
+    activation_bytes: int
+    """Bytes of the layer's input for one microbatch (what crosses a stage boundary)."""
+    saved_activation_bytes: int
+    """Bytes autograd keeps inside the layer for one microbatch while a backward stage recomputes and
+    back-propagates it (for the tail: also the logits and their gradient)."""
+
+    @property
+    def forward_flops(self) -> float:
+        """All FLOPs of one forward."""
+        return self.forward_gemm_flops + self.forward_expert_flops + self.forward_attention_flops
+
+    @property
+    def backward_flops(self) -> float:
+        """All FLOPs of one backward, without recomputation."""
+        return self.backward_gemm_flops + self.backward_expert_flops + self.backward_attention_flops
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Turns FLOPs and bytes into seconds on a :class:`HardwareModel` (efficiencies are fractions of
+    ``hardware.flops_per_s``).
+
+    Defaults fitted to the paper's RTX 4090 per-layer timings with ``flops_per_s = 330e12`` (fp16 with
+    fp16 accumulation, what the paper ran); with a bf16 peak of 165e12 the same efficiencies give
+    about 2x longer layers.
+    """
+
+    gemm_efficiency: float = 0.75
+    """Achieved share of peak FLOP/s for large dense GEMMs."""
+    attention_efficiency: float = 0.4
+    """Achieved share of peak FLOP/s for flash attention."""
+    expert_gemm_efficiency: float = 0.3
+    """Achieved share of peak FLOP/s for MoE expert GEMMs (about ``T * k / E`` tokens each, plus routing)."""
+    device_memory_bytes_per_s: float = 1.0e12
+    """Device memory (HBM/GDDR) bandwidth, bytes/s (RTX 4090: 1008 GB/s)."""
+    elementwise_traffic_factor: float = 3.0
+    """Multiplier on the counted element-wise traffic: eager PyTorch makes several passes per op
+    (fp32 upcasts in RMSNorm, separate kernels for rotary and SwiGLU)."""
+    loss_bytes_per_logit: int = 4
+    """Device bytes the fused tail holds per logit (compute-dtype logits and their gradient; a
+    compiled cross-entropy keeps no fp32 copy; eager Hugging Face loss holds about 14)."""
+    causal_attention: bool = True
+    """Count half of the ``s x s`` attention square (causal mask, skipped blocks)."""
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_efficiency", "attention_efficiency", "expert_gemm_efficiency"):
+            v = getattr(self, name)
+            if not 0 < v <= 1:
+                raise ValueError(f"`CostModel.{name}` must be in (0, 1], got {v!r}.")
+        if self.device_memory_bytes_per_s <= 0 or self.elementwise_traffic_factor < 0:
+            raise ValueError("`CostModel.device_memory_bytes_per_s` must be > 0 and `elementwise_traffic_factor` >= 0.")
+
+    # ------------------------------------------------------------------ FLOPs and bytes
+    def layer_costs(
+        self,
+        shape: ModelShape,
+        *,
+        seq_len: int,
+        microbatch_size: int,
+        compute_dtype_bytes: int = 2,
+        lora: LoRASpec | None = None,
+    ) -> list[LayerCost]:
+        """FLOPs and bytes of every entry of the layer sequence for one microbatch.
+
+        Args:
+            shape: the model.
+            seq_len: tokens per sequence.
+            microbatch_size: sequences per microbatch.
+            compute_dtype_bytes: bytes of the compute dtype (2 for bf16/fp16, 4 for fp32).
+            lora: train only adapters (frozen base) when given.
+
+        Raises:
+            ValueError: for a non-positive ``seq_len``, ``microbatch_size`` or ``compute_dtype_bytes``.
+        """
+        for n, v in (("seq_len", seq_len), ("microbatch_size", microbatch_size), ("compute_dtype_bytes", compute_dtype_bytes)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"`{n}` must be a positive int, got {v!r}.")
+        s, b, B = seq_len, microbatch_size, compute_dtype_bytes
+        T = s * b
+        h, V = shape.hidden_size, shape.vocab_size
+        nh, nkv, hd = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
+        frozen = lora is not None
+        grad_mult = 1.0 if frozen else 2.0  # dgrad only for a frozen base, dgrad + wgrad otherwise
+
+        # -- prefix: embedding gather and rotary tables; no GEMM
+        embed = V * h
+        prefix = LayerCost(
+            name="prefix", kind="prefix", param_count=embed, trainable_param_count=0 if frozen else embed,
+            forward_gemm_flops=0.0, forward_elementwise_bytes=float(2 * T * h * B + 2 * T * hd * B),
+            backward_has_work=not frozen, activation_bytes=T * 8, saved_activation_bytes=T * h * B + 2 * T * hd * B,
+        )
+        out = [prefix]
+
+        # -- decoder layers
+        proj = {"q_proj": (h, nh * hd), "k_proj": (h, nkv * hd), "v_proj": (h, nkv * hd), "o_proj": (nh * hd, h)}
+        attn_params = sum(i * o for i, o in proj.values()) + (nh + 2 * nkv) * hd * shape.attention_bias
+        norm_params = 2 * h + (2 * hd if shape.qk_norm else 0)
+        attn_core = 2 * 2 * b * nh * s * s * hd * (0.5 if self.causal_attention else 1.0)
+        for i in range(shape.num_hidden_layers):
+            moe = shape.is_moe_layer(i)
+            targets = dict(proj)
+            if moe:
+                E, k, Im = shape.num_experts, shape.num_experts_per_tok, shape.moe_intermediate_size
+                mlp_params = E * h + E * 3 * h * Im  # router + experts
+                dense_active = attn_params + E * h
+                expert_active = k * 3 * h * Im
+                mlp_elems_per_tok = k * (3 * Im + 4 * h) + 2 * E  # SwiGLU per routed copy, gather/scatter, routing
+                mlp_saved_per_tok = k * (h + 4 * Im) * B + E * 4
+            else:
+                I = shape.intermediate_size
+                targets.update({"gate_proj": (h, I), "up_proj": (h, I), "down_proj": (I, h)})
+                mlp_params = 3 * h * I
+                dense_active, expert_active = attn_params + mlp_params, 0
+                mlp_elems_per_tok = 3 * I
+                mlp_saved_per_tok = 4 * I * B
+            adapters = 0
+            if lora is not None:
+                adapters = sum(lora.rank * (fi + fo) for name, (fi, fo) in targets.items() if name in lora.target_modules)
+            params = attn_params + mlp_params + norm_params + adapters
+            elems_per_tok = 10 * h + 4 * (nh + nkv) * hd + 2 * (nh + nkv) * hd + mlp_elems_per_tok
+            saved = T * (4 * h + 2 * (nh + 2 * nkv) * hd + nh * hd) * B + T * nh * 4 + T * mlp_saved_per_tok
+            out.append(LayerCost(
+                name=f"decoder.{i}", kind="decoder", param_count=params,
+                trainable_param_count=adapters if frozen else params,
+                forward_gemm_flops=2.0 * T * (dense_active + adapters),
+                forward_expert_flops=2.0 * T * expert_active,
+                forward_attention_flops=attn_core,
+                backward_gemm_flops=2.0 * T * (grad_mult * dense_active + 2 * adapters),
+                backward_expert_flops=grad_mult * 2.0 * T * expert_active,
+                backward_attention_flops=2.5 * attn_core,
+                forward_elementwise_bytes=float(T * elems_per_tok * B),
+                activation_bytes=T * h * B,
+                saved_activation_bytes=int(saved),
+            ))
+
+        # -- tail: final norm, LM head, loss (fused kernel over the logits)
+        head = V * h
+        out.append(LayerCost(
+            name="tail", kind="tail", param_count=head + h, trainable_param_count=0 if frozen else head + h,
+            forward_gemm_flops=2.0 * T * head, backward_gemm_flops=grad_mult * 2.0 * T * head,
+            forward_elementwise_bytes=float(4 * T * h * B), forward_fused_bytes=float(T * V * 2 * B),
+            activation_bytes=T * h * B, saved_activation_bytes=2 * T * h * B + T * V * self.loss_bytes_per_logit,
+        ))
+        return out
+
+    # ------------------------------------------------------------------ seconds
+    def forward_s(self, cost: LayerCost, hardware: HardwareModel) -> float:
+        """Seconds of one forward of ``cost``'s layer on ``hardware``."""
+        F = hardware.flops_per_s
+        return (
+            cost.forward_gemm_flops / (self.gemm_efficiency * F)
+            + cost.forward_expert_flops / (self.expert_gemm_efficiency * F)
+            + cost.forward_attention_flops / (self.attention_efficiency * F)
+            + (cost.forward_elementwise_bytes * self.elementwise_traffic_factor + cost.forward_fused_bytes)
+            / self.device_memory_bytes_per_s
+        )
+
+    def backward_s(self, cost: LayerCost, hardware: HardwareModel) -> float:
+        """Seconds of one backward of ``cost``'s layer, without recomputation (eager element-wise traffic 2x
+        the forward's; a fused loss kernel writes the logits' gradient in one pass, 1x)."""
+        if not cost.backward_has_work:
+            return 0.0
+        F = hardware.flops_per_s
+        return (
+            cost.backward_gemm_flops / (self.gemm_efficiency * F)
+            + cost.backward_expert_flops / (self.expert_gemm_efficiency * F)
+            + cost.backward_attention_flops / (self.attention_efficiency * F)
+            + (2 * cost.forward_elementwise_bytes * self.elementwise_traffic_factor + cost.forward_fused_bytes)
+            / self.device_memory_bytes_per_s
+        )
+
+    def profile(self, cost: LayerCost, hardware: HardwareModel, compute_dtype_bytes: int = 2) -> LayerProfile:
+        """The :class:`LayerProfile` of one layer (bytes in the compute dtype)."""
+        return LayerProfile(
+            forward_s=self.forward_s(cost, hardware),
+            backward_s=self.backward_s(cost, hardware),
+            param_bytes=cost.param_count * compute_dtype_bytes,
+            activation_bytes=cost.activation_bytes,
+            trainable_param_bytes=cost.trainable_param_count * compute_dtype_bytes,
+            name=cost.name,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelledProfiles:
+    """A model's layer sequence with modelled costs: what ``auto_partition`` and the simulator read."""
+
+    shape: ModelShape
+    """The model."""
+    costs: tuple[LayerCost, ...]
+    """Hardware-independent FLOPs and bytes per layer."""
+    profiles: tuple[LayerProfile, ...]
+    """Seconds and bytes per layer on the given hardware."""
+    seq_len: int
+    """Tokens per sequence."""
+    microbatch_size: int
+    """Sequences per microbatch."""
+    lora: LoRASpec | None = None
+    """The LoRA setting, ``None`` for full fine-tuning."""
+    cost_model: CostModel = field(default_factory=CostModel)
+    """The efficiencies used."""
+
+    @property
+    def tokens_per_microbatch(self) -> int:
+        return self.seq_len * self.microbatch_size
+
+    @property
+    def saved_activation_bytes(self) -> tuple[int, ...]:
+        """Per layer, bytes autograd keeps inside it in a backward stage (pass to ``auto_partition``)."""
+        return tuple(c.saved_activation_bytes for c in self.costs)
+
+
+def model_profiles(
+    model: ModelShape | Mapping[str, Any] | Any,
+    hardware: HardwareModel,
+    *,
+    seq_len: int,
+    microbatch_size: int,
+    compute_dtype_bytes: int = 2,
+    lora: LoRASpec | None = None,
+    cost_model: CostModel | None = None,
+) -> ModelledProfiles:
+    """Modelled :class:`LayerProfile` s of a model's layer sequence (``num_hidden_layers + 2`` entries).
+
+    Args:
+        model: a :class:`ModelShape`, a ``config.json`` dict or a ``transformers`` config object.
+        hardware: device FLOP/s (and link bandwidths, unused here).
+        seq_len: tokens per sequence.
+        microbatch_size: sequences per microbatch.
+        compute_dtype_bytes: 2 for bf16/fp16 weights and activations.
+        lora: LoRA (frozen base, adapters train) when given.
+        cost_model: efficiencies; the fitted defaults when ``None``.
+    """
+    shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model)
+    cm = cost_model or CostModel()
+    costs = cm.layer_costs(shape, seq_len=seq_len, microbatch_size=microbatch_size,
+                           compute_dtype_bytes=compute_dtype_bytes, lora=lora)
+    profiles = tuple(cm.profile(c, hardware, compute_dtype_bytes) for c in costs)
+    return ModelledProfiles(shape=shape, costs=tuple(costs), profiles=profiles, seq_len=seq_len,
+                            microbatch_size=microbatch_size, lora=lora, cost_model=cm)
+
+
+def meta_param_counts(config: Any) -> list[int]:
+    """Parameter counts per layer-sequence entry, from the real model class built on the meta device.
+
+    No memory is allocated for weights. The tail counts the LM head also when it is tied to the
+    embedding (both stages upload it). Used to check :meth:`CostModel.layer_costs`.
+
+    Args:
+        config: a ``transformers`` config object or a ``config.json`` dict (with ``model_type``).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(config, Mapping):
+        cfg = dict(config)
+        model_type = cfg.pop("model_type")
+        for k in ("architectures", "torch_dtype", "_name_or_path"):
+            cfg.pop(k, None)
+        config = AutoConfig.for_model(model_type, **cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+
+    def n(module: torch.nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    inner = model.model
+    counts = [n(inner.embed_tokens)]
+    counts += [n(layer) for layer in inner.layers]
+    counts.append(n(inner.norm) + model.lm_head.weight.numel())
+    return counts
+
+
+def sum_params(costs: Sequence[LayerCost]) -> int:
+    """Total weights of the layer sequence, elements (a tied embedding counted once per use)."""
+    return sum(c.param_count for c in costs)

@@ -1,0 +1,125 @@
+"""`roundpipe plan`: stage table, grid, predictions, from a config alone (no weights)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from lightning_roundpipe.cli import main, plan_cmd
+
+ACCEPTANCE = ["plan", "--preset", "qwen3-32b", "--devices", "8", "--device-memory-gib", "24", "--h2d-gbps", "25",
+              "--tflops", "165", "--seq-len", "2048", "--microbatch-size", "4"]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    plan_cmd.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def qwen32b_report() -> plan_cmd.PlanReport:
+    return plan_cmd.make_report(parse(ACCEPTANCE))
+
+
+def test_acceptance_runs_in_seconds_under_2gib_rss():
+    """The acceptance command in a fresh interpreter: no weights allocated (peak RSS < 2 GiB)."""
+    script = textwrap.dedent(f"""
+        import resource, sys
+        from lightning_roundpipe.cli import main
+        rc = main({ACCEPTANCE!r})
+        sys.stdout.flush()
+        print("MAXRSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+        sys.exit(rc)
+    """)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr
+    rss_kib = int(proc.stderr.split("MAXRSS_KIB")[1].split()[0])
+    assert rss_kib * 1024 < 2 * 2**30, f"peak RSS {rss_kib / 2**20:.2f} GiB"
+    assert elapsed < 60, elapsed
+    out = proc.stdout
+    for needle in ("Qwen3-32B", "forward", "fused", "backward", "step | dev0", "tokens/s", "idle per device (%)",
+                   "peak device memory", "longest sequence that fits"):
+        assert needle in out, needle
+
+
+def test_stage_table_is_asymmetric(qwen32b_report):
+    r = qwen32b_report
+    fwd = [s for s in r.stages if s.kind == "forward"]
+    bwd = [s for s in r.stages if s.kind in ("fused", "backward")]
+    assert fwd and bwd
+    mean = lambda xs: sum(len(s.layers) for s in xs) / len(xs)  # noqa: E731
+    assert mean(fwd) > mean(bwd)
+    assert max(len(s.layers) for s in fwd) > max(len(s.layers) for s in bwd)
+    # every stage fits the per-stage budget (half of 24 GiB), the device holds a stage plus a prefetch
+    assert all(s.memory_bytes <= 12 * 2**30 for s in r.stages)
+    assert r.peak_device_memory_bytes <= 24 * 2**30
+
+
+def test_report_numbers(qwen32b_report):
+    r = qwen32b_report
+    assert r.num_microbatches == 9  # default: devices + 1
+    assert len(r.idle_pct) == 8 and all(0 <= x <= 100 for x in r.idle_pct)
+    assert 500 < r.tokens_per_s < 50_000
+    assert r.max_seq_len >= 2048 and r.max_seq_len_mb1 >= r.max_seq_len
+    assert len(r.execution_plan.stages) == len(r.stages)
+    text = plan_cmd.format_report(r, grid_rows=12)
+    assert "steps omitted" in text  # many stages: truncated grid
+    assert f"{r.tokens_per_s:,.0f} tokens/s" in text
+
+
+def test_longest_sequence_is_the_fit_boundary(qwen32b_report):
+    r = qwen32b_report
+    args = parse(ACCEPTANCE[:-4] + ["--seq-len", str(r.max_seq_len), "--microbatch-size", "4"])
+    plan_cmd.make_report(args)  # fits
+    args = parse(ACCEPTANCE[:-4] + ["--seq-len", str(r.max_seq_len + 1), "--microbatch-size", "4"])
+    with pytest.raises(ValueError, match="over the per-stage memory budget"):
+        plan_cmd.make_report(args)
+
+
+def test_lora_and_microbatches(capsys):
+    r = plan_cmd.make_report(parse(["plan", "--preset", "qwen3-235b-a22b", "--lora", "--microbatches", "16"]))
+    assert r.num_microbatches == 16
+    assert sum(s.grad_bytes for s in r.stages) < 0.01 * sum(s.param_bytes for s in r.stages)
+    assert r.modelled.shape.num_experts == 128
+
+
+def test_model_path_config_json(tmp_path, capsys):
+    cfg = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000, "_name_or_path": "tiny-llama"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc = main(["plan", "--model", str(tmp_path), "--devices", "3", "--seq-len", "512", "--microbatch-size", "2",
+               "--method", "paper", "--grid-rows", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "tiny-llama" in out and "layer sequence L = 8" in out and "steps omitted" not in out
+
+
+def test_bad_inputs_exit_2_with_message(capsys):
+    assert main(["plan", "--preset", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "valid presets" in err and "qwen3-32b" in err
+    assert main(["plan", "--preset", "qwen3-1.7b", "--devices", "0"]) == 2
+    assert "`--devices`" in capsys.readouterr().err
+    assert main(["plan", "--preset", "qwen3-32b", "--device-memory-gib", "2"]) == 2
+    assert "over the per-stage memory budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--preset", "qwen3-1.7b", "--method", "magic"])
+
+
+def test_falls_back_to_compute_only_walk_without_simulator(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightning_roundpipe.simulate.engine", None)  # import fails
+    r = plan_cmd.make_report(parse(["plan", "--preset", "qwen3-1.7b", "--devices", "4"]))
+    assert r.predictor.startswith("compute-only walk")
+    assert r.step_s > 0 and len(r.idle_pct) == 4 and all(0 <= x < 100 for x in r.idle_pct)
+    # one step with fill and drain: at least the busiest device's compute
+    per_mb = sum(s.cost_s for s in r.stages) * r.num_microbatches / 4
+    assert r.step_s >= per_mb * (1 - 1e-9)
