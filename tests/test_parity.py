@@ -40,6 +40,14 @@ def test_parity_with_default_strategy(kind, devices, num_microbatches, record_pr
     assert max_diff(got, fit_params(_factory(kind), data, max_steps=0)) > 1e-3  # training changed the weights
 
 
+@pytest.mark.parametrize("devices,num_microbatches", [(2, 5), (3, 2)])
+def test_parity_transparent_path_for_hf_loss(devices, num_microbatches):
+    """`fused_loss=False`: the HF loss goes back through the autograd node like any output."""
+    got = fit_params(_factory("qwen3"), TokenData(), devices=devices, **COMMON,
+                     strategy=lightning_roundpipe.RoundPipeStrategy(num_microbatches=num_microbatches, fused_loss=False))
+    assert max_diff(_reference("qwen3"), got) <= TOL
+
+
 def test_parity_gradient_clip_by_value_and_explicit_stages():
     data = TokenData()
     kw = dict(max_steps=2, gradient_clip_val=0.01, gradient_clip_algorithm="value")

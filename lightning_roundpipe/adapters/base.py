@@ -7,7 +7,7 @@ microbatches before layer 0, and merges the last layer's carries back into the m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -31,6 +31,9 @@ class LayerSequence:
             from the last layer's carry merged over microbatches (tensors of dim >= 1 concatenated
             along dim 0, 0-dim tensors summed).
         family: a short name of the model family (``"llama"``, ``"nn.Sequential"``...).
+        loss_key: key of the last layer's carry that holds the model's own scalar loss, when the
+            model can compute one (HF causal LM called with ``labels``); enables the fused path.
+        has_loss: ``has_loss(batch_carry) -> bool``: whether this call computes that loss.
     """
 
     target: nn.Module
@@ -40,7 +43,8 @@ class LayerSequence:
     prepare: Callable[[tuple, dict], dict]
     finalize: Callable[[dict], Any]
     family: str = ""
-    extra: dict = field(default_factory=dict)
+    loss_key: str | None = None
+    has_loss: Callable[[dict], bool] | None = None
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -201,7 +201,7 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
     def finalize(merged: dict) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        return CausalLMOutputWithPast(loss=merged.get("loss"), logits=merged["logits"])
+        return CausalLMOutputWithPast(loss=merged.get("loss"), logits=merged.get("logits"))
 
     return LayerSequence(
         target=inner,
@@ -211,4 +211,6 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         prepare=prepare,
         finalize=finalize,
         family=cfg.model_type,
+        loss_key="loss",
+        has_loss=lambda carry: carry.get("labels") is not None,
     )

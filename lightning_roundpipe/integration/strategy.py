@@ -61,6 +61,10 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             times (DESIGN.md section 6); ``"default"``: keep the simple partition.
         profile_steps: training steps profiled before the automatic partition (>= 2; the first
             is warm-up and dropped).
+        fused_loss: when the model computes its own loss (HF causal LM called with ``labels``), run
+            forward stages, the fused tail (last layers, LM head and loss: never recomputed, logits
+            never leave the device) and the backward stages as one plan inside the forward call;
+            the returned output then has ``logits=None``. ``False``: always the transparent path.
         forward_stages: optional explicit forward stage boundaries: ascending ``range`` s or
             ``(start, stop)`` pairs of layer indices of the layer sequence (overrides ``partition``).
         backward_stages: optional explicit backward stage boundaries, tail first.
@@ -80,6 +84,7 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         module: str | None = None,
         partition: str = "auto",
         profile_steps: int = 3,
+        fused_loss: bool = True,
         forward_stages: StageRanges | None = None,
         backward_stages: StageRanges | None = None,
         accelerator: Any = None,
@@ -109,6 +114,7 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         self.partition = PartitionPlan(fwd, bwd) if fwd is not None else None
         self.partition_mode = "explicit" if fwd is not None else partition
         self.profile_steps = profile_steps
+        self.fused_loss = bool(fused_loss)
         self.engine: RoundPipeEngine | None = None
         self._callback = None
 
@@ -153,7 +159,7 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             stage_memory = torch.cuda.get_device_properties(devices[0]).total_memory // 2  # double buffering
         self.engine = RoundPipeEngine(seq, devices, m, self.partition, precision.compute_dtype, precision.autocast_dtype,
                                       auto_partition_after_steps=self.profile_steps if auto else None,
-                                      stage_memory_bytes=stage_memory)
+                                      stage_memory_bytes=stage_memory, fused_loss=self.fused_loss)
         self.engine.install()
         log.info("RoundPipe: pipelining `%s` (%s, %d layers) on %d device(s), %d microbatches",
                  type(seq.target).__name__, seq.family, len(seq), len(devices), m)

@@ -28,6 +28,15 @@ from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, bu
 log = logging.getLogger(__name__)
 
 
+def _once(state: PipelineState) -> None:
+    if state.backward_done:
+        raise RuntimeError(
+            "Backward through a RoundPipe pipeline ran twice: its saved activations and gradient buffers are freed"
+            " after the first backward. HINT: do not use `retain_graph=True` across the pipelined model."
+        )
+    state.backward_done = True
+
+
 class RoundPipeEngine:
     """Pipelined execution of a :class:`LayerSequence`.
 
@@ -45,6 +54,9 @@ class RoundPipeEngine:
             keeps ``partition`` for good.
         stage_memory_bytes: per-stage memory budget for the automatic partition, bytes (half of a
             device's memory: the next stage is prefetched); ``None``: no limit (CPU virtual devices).
+        fused_loss: when the model computes its own scalar loss (HF causal LM with ``labels``),
+            run forward stages, the fused tail and the backward stages as one plan inside the
+            forward call (DESIGN.md section 2, fused path); ``False`` always uses the transparent path.
 
     Raises:
         ValueError: for an empty device list, ``num_microbatches < 1`` or a partition that does not
@@ -54,7 +66,7 @@ class RoundPipeEngine:
     def __init__(self, seq: LayerSequence, devices: Sequence[torch.device], num_microbatches: int,
                  partition: PartitionPlan | None = None, compute_dtype: torch.dtype | None = None,
                  autocast_dtype: torch.dtype | None = None, auto_partition_after_steps: int | None = None,
-                 stage_memory_bytes: int | None = None) -> None:
+                 stage_memory_bytes: int | None = None, fused_loss: bool = True) -> None:
         if not devices:
             raise ValueError("`devices` is empty: RoundPipe needs at least one device.")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -65,6 +77,7 @@ class RoundPipeEngine:
         self.partition = partition or PartitionPlan(*default_stage_ranges(len(seq)))
         self.partition.validate(len(seq))
         self.stages = build_stages(self.partition.forward_stages, self.partition.backward_stages)
+        self._fused_stages = None
         self.store = WeightStore(seq.layers, compute_dtype)
         self.workers = [DeviceWorker(i, d) for i, d in enumerate(self.devices)]
         self.executor = Executor(seq, self.workers, self.store, autocast_dtype)
@@ -74,6 +87,7 @@ class RoundPipeEngine:
         self._lock = threading.Lock()
         self._original_forward = None
         self.stage_memory_bytes = stage_memory_bytes
+        self.fused_loss = fused_loss
         self.auto_partition_after_steps = auto_partition_after_steps
         if auto_partition_after_steps is not None:
             if not isinstance(auto_partition_after_steps, int) or auto_partition_after_steps < 2:
@@ -109,16 +123,31 @@ class RoundPipeEngine:
         partition.validate(len(self.seq))
         self.partition = partition
         self.stages = build_stages(partition.forward_stages, partition.backward_stages)
+        self._fused_stages = None
         self._plans.clear()
 
     # ------------------------------------------------------------------ plans
-    def plan(self, num_microbatches: int, cursor: int) -> ExecutionPlan:
-        """The validated full-step plan (forward then backward stages) starting at ``cursor``."""
-        key = (num_microbatches, cursor)
+    def plan(self, num_microbatches: int, cursor: int, fused: bool = False) -> ExecutionPlan:
+        """The validated full-step plan (forward then backward stages) starting at ``cursor``.
+
+        With ``fused`` the first backward stage is the fused tail and the forward stages stop where
+        it starts.
+        """
+        key = (num_microbatches, cursor, fused)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = build_roundpipe_plan(self.stages, len(self.workers), num_microbatches, cursor)
+            stages = self.fused_stages if fused else self.stages
+            plan = self._plans[key] = build_roundpipe_plan(stages, len(self.workers), num_microbatches, cursor)
         return plan
+
+    @property
+    def fused_stages(self):
+        """Stages of the fused path: forward stages clipped before the tail, the tail fused."""
+        if self._fused_stages is None:
+            tail = self.partition.backward_stages[0]
+            fwd = [range(r.start, min(r.stop, tail.start)) for r in self.partition.forward_stages]
+            self._fused_stages = build_stages([r for r in fwd if len(r)], self.partition.backward_stages, fused_tail=True)
+        return self._fused_stages
 
     def _advance(self, n: int) -> int:
         with self._lock:
@@ -131,8 +160,10 @@ class RoundPipeEngine:
         """The pipelined forward: same inputs and outputs as the target's own forward.
 
         With grad enabled and trainable parameters, the outputs carry an autograd node whose
-        backward runs the backward stages (the transparent path); otherwise only forward stages run
-        and no activation is kept.
+        backward runs the backward stages (the transparent path), or, when the model computes its
+        own loss and ``fused_loss`` is on, the whole step runs here and the returned loss's backward
+        only scales the gradient buffers into ``.grad`` (the fused path; ``logits`` is ``None``).
+        Otherwise only forward stages run and no activation is kept.
         """
         seq = self.seq
         carry = seq.prepare(args, kwargs)
@@ -149,6 +180,8 @@ class RoundPipeEngine:
             state.keep = frozenset(r.start for r in self.partition.backward_stages)
         for i, mb in enumerate(mbs):
             state.acts[(0, i)] = mb
+        if training and self.fused_loss and seq.loss_key and seq.has_loss and seq.has_loss(carry):
+            return self._fused_forward(state, m)
         cursor = self._advance(n_fwd)
         self._run(self.plan(m, cursor).phase("forward"), state)
         finals = [pytree.tree_flatten(state.final.pop(i)) for i in range(m)]
@@ -156,15 +189,9 @@ class RoundPipeEngine:
         merged = merge_leaves([leaves for leaves, _ in finals])
         if training:
             idx = [i for i, x in enumerate(merged) if isinstance(x, torch.Tensor)]
-            done = []
 
             def run_backward(grads: list) -> None:
-                if done:
-                    raise RuntimeError(
-                        "Backward through a RoundPipe pipeline ran twice: its saved activations are freed after the"
-                        " first backward. HINT: do not use `retain_graph=True` across the pipelined model."
-                    )
-                done.append(True)
+                _once(state)
                 full = [None] * len(merged)
                 for i, g in zip(idx, grads):
                     full[i] = g
@@ -177,6 +204,36 @@ class RoundPipeEngine:
             for i, t in zip(idx, attached):
                 merged[i] = t
         return seq.finalize(pytree.tree_unflatten(merged, spec))
+
+    def _fused_forward(self, state: PipelineState, m: int) -> Any:
+        """The fused path: the whole step runs now; the returned loss's backward scales the buffers.
+
+        Gradients land in CPU buffers (``state.grad_sink``); the node's backward adds
+        ``grad_output * buffer`` into each parameter's ``.grad`` (gradients are linear in the seed,
+        so this is exact whatever the user does with the scalar loss).
+        """
+        state.grad_sink = {}
+        plan = self.plan(m, self._advance(len(self.fused_stages)), fused=True)
+        self._run(plan, state)
+        key = self.seq.loss_key
+        loss = merge_leaves([[state.final.pop(i)[key]] for i in range(m)])[0]
+        sink = state.grad_sink
+
+        def run_backward(grads: list) -> None:
+            _once(state)
+            g = grads[0]
+            if g is None:
+                return
+            for master, buf in sink.values():
+                contrib = buf if bool(g == 1) else buf * g.to(buf.dtype)
+                if master.grad is None:
+                    master.grad = contrib
+                else:
+                    master.grad.add_(contrib)
+            sink.clear()
+
+        (loss,) = attach([loss], run_backward)
+        return self.seq.finalize({key: loss})
 
     def _run(self, plan: ExecutionPlan, state: PipelineState) -> None:
         timeline = self.executor.run(plan, state)

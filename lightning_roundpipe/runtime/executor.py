@@ -9,6 +9,8 @@ maps each action kind to its handler:
 - ``F``: forward of one microbatch without autograd; stage-boundary outputs go to the host;
 - ``B``: recompute the stage's layers from the saved boundary input with autograd, then backward
   with the gradient from the stage after it; the input gradient goes to the host;
+- ``X``: fused tail: forward of the last layers and the loss, then backward seeded with
+  ``loss_seed``, in one action (never recomputed; logits never leave the device);
 - ``DROP``: release the weights; for a backward stage add its gradients into the masters' ``.grad``
   (in backward-stage order, so the summation order, and so the result, does not depend on timing).
 
@@ -59,6 +61,11 @@ class PipelineState:
         final_grads: per microbatch, gradients of the final carry's leaves.
         base_seed: seed the per-(layer, microbatch) RNG streams derive from; ``None`` if no layer
             draws random numbers.
+        rng_layers: indices of the layers that draw random numbers.
+        grad_sink: fused path: ``id(master) -> (master, grad)`` CPU gradient buffers that ``DROP``
+            fills instead of ``.grad``.
+        loss_seed: fused path: the gradient the fused tail seeds its loss with (the fp16 loss scale;
+            1.0 otherwise).
     """
 
     num_microbatches: int
@@ -69,6 +76,9 @@ class PipelineState:
     final_grads: list | None = None
     base_seed: int | None = None
     rng_layers: frozenset = frozenset()
+    grad_sink: dict | None = None
+    loss_seed: float = 1.0
+    backward_done: bool = False
 
 
 class PhaseRun:
@@ -167,10 +177,14 @@ class Executor:
         self.store = store
         self.autocast_dtype = autocast_dtype
         self.profiler = None  # a runtime.profiler.LayerProfiler while profiling
+        # `functional_call` swaps a module's attributes while it runs: one thread per layer at a time
+        # (a forward stage and a backward stage over the same layer overlap in the fused plan)
+        self._layer_locks = [threading.Lock() for _ in seq.layers]
         self._dispatch: dict[ActionKind, Callable] = {
             ActionKind.LOAD: self._load,
             ActionKind.F: self._forward,
             ActionKind.B: self._backward,
+            ActionKind.X: self._fused_tail,
             ActionKind.DROP: self._drop,
         }
 
@@ -180,7 +194,7 @@ class Executor:
 
         Raises:
             The first worker exception, same type, message prefixed with device, stage and microbatch.
-            ``NotImplementedError`` for action kinds the runtime does not execute (``X``, ``W``).
+            ``NotImplementedError`` for action kinds the runtime does not execute (``W``).
         """
         for acts in plan.actions:
             for a in acts:
@@ -244,7 +258,7 @@ class Executor:
                 prof.record_activation(li, transfer.tree_nbytes(carry))
                 _sync(worker)
                 t = time.perf_counter()
-            with rng_scope(seed, worker):
+            with self._layer_locks[li], rng_scope(seed, worker):
                 carry = functional_call(self.seq.layers[li], resident.tensors[li], (carry,))
             if prof is not None:
                 _sync(worker)
@@ -334,6 +348,36 @@ class Executor:
         self._record(run, worker, "B", action, t, 0)
         run.done[(action.stage_index, m)].set()
 
+    def _fused_tail(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
+        spec = run.plan.stages[action.stage_index]
+        m = action.microbatch_index
+        state = run.state
+        self._wait_deps(action, run)
+        stage = resident[action.stage_index]
+        self.store.ensure_ready(stage, worker)
+        a = spec.layers.start
+        t = run.now()
+        carry, _ = transfer.to_device(state.acts.pop((a, m)), worker)
+        leaves: list[torch.Tensor] = []
+        if a > 0:
+            carry, leaves = _grad_leaves(carry, self.seq.grad_keys)
+        with torch.enable_grad():
+            with self._autocast(worker):
+                out, fwd_s = self._call_layers(worker, run, stage, spec.layers, carry, m, profile_kind="forward")
+            loss = out[self.seq.loss_key]
+            tb = time.perf_counter()
+            torch.autograd.backward([loss], [torch.full_like(loss, state.loss_seed)])
+            if fwd_s:
+                _sync(worker)
+                total, fwd = time.perf_counter() - tb, sum(fwd_s.values()) or 1.0
+                for li, f in fwd_s.items():
+                    self.profiler.record("backward", li, total * f / fwd)
+        if a > 0:
+            state.grads[(a, m)] = transfer.to_host([leaf.grad for leaf in leaves], worker)[0]
+        state.final[m] = transfer.to_host({self.seq.loss_key: loss.detach()}, worker)[0]
+        self._record(run, worker, "X", action, t, 0)
+        run.done[(action.stage_index, m)].set()
+
     def _drop(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
         stage = resident.pop(action.stage_index)
         spec = run.plan.stages[action.stage_index]
@@ -343,7 +387,7 @@ class Executor:
             if pos > 0 and bwd[pos - 1].stage_index in {a.stage_index for acts in run.plan.actions for a in acts}:
                 run.wait(run.committed[bwd[pos - 1].stage_index])
             t = run.now()
-            moved = self.store.commit_grads(stage, worker)
+            moved = self.store.commit_grads(stage, worker, run.state.grad_sink)
             self._record(run, worker, "D2H", action, t, moved)
         run.committed[action.stage_index].set()
 

@@ -49,16 +49,24 @@ class WeightStore:
     def __init__(self, layers: Sequence[nn.Module], compute_dtype: torch.dtype | None = None) -> None:
         self.layers = list(layers)
         self.compute_dtype = compute_dtype
+        # (name, master tensor, is parameter) per layer, captured once in the main thread: while a
+        # worker runs a layer through `functional_call`, that module's attributes point at the
+        # worker's copies, so they must never be read from the module during a step.
+        self.entries: list[list[tuple[str, torch.Tensor, bool]]] = []
+        for layer in self.layers:
+            params = [(n, p, True) for n, p in layer.named_parameters(remove_duplicate=False)]
+            buffers = [(n, b, False) for n, b in layer.named_buffers(remove_duplicate=False) if b is not None]
+            self.entries.append(params + buffers)
+
+    def _upload_dtype(self, t: torch.Tensor, is_param: bool) -> torch.dtype:
+        return self.compute_dtype if (is_param and self.compute_dtype and t.is_floating_point()) else t.dtype
 
     def layer_param_bytes(self, layer_index: int) -> int:
         """Bytes one upload of ``layer_index`` moves (parameters in the compute dtype plus buffers)."""
-        total = 0
-        layer = self.layers[layer_index]
-        for p in layer.parameters():
-            size = self.compute_dtype.itemsize if (self.compute_dtype and p.is_floating_point()) else p.element_size()
-            total += p.numel() * size
-        total += sum(b.numel() * b.element_size() for b in layer.buffers())
-        return total
+        seen: dict[int, int] = {}
+        for _, t, is_param in self.entries[layer_index]:
+            seen[id(t)] = t.numel() * self._upload_dtype(t, is_param).itemsize
+        return sum(seen.values())
 
     def upload(self, stage_index: int, layer_indices: range, worker, with_grad: bool) -> ResidentStage:
         """``LOAD``: copy the stage's parameters and buffers to ``worker``'s device.
@@ -73,18 +81,14 @@ class WeightStore:
         is_param: list[bool] = []
         names: dict[int, list[tuple[str, int]]] = {}
         for li in layer_indices:
-            layer = self.layers[li]
             entries = []
-            for name, t in list(layer.named_parameters(remove_duplicate=False)) + [
-                (n, b) for n, b in layer.named_buffers(remove_duplicate=False) if b is not None
-            ]:
+            for name, t, param in self.entries[li]:
                 k = by_id.get(id(t))
                 if k is None:
                     k = by_id[id(t)] = len(masters)
                     masters.append(t)
-                    param = isinstance(t, nn.Parameter)
                     is_param.append(param)
-                    dtypes.append(self.compute_dtype if (param and self.compute_dtype and t.is_floating_point()) else t.dtype)
+                    dtypes.append(self._upload_dtype(t, param))
                 entries.append((name, k))
             names[li] = entries
         copies, ready, nbytes = transfer.upload_tensors(masters, dtypes, worker)
@@ -104,8 +108,9 @@ class WeightStore:
             resident.waited = True
 
     @staticmethod
-    def commit_grads(resident: ResidentStage, worker) -> int:
-        """``DROP`` of a backward stage: add each copy's gradient into its master's ``.grad``.
+    def commit_grads(resident: ResidentStage, worker, sink: dict | None = None) -> int:
+        """``DROP`` of a backward stage: add each copy's gradient into its master's ``.grad``, or into
+        ``sink[id(master)] = (master, grad)`` (the fused path's CPU gradient buffers).
 
         Gradients are cast to the master's dtype (fp32 for ``32-true`` and ``bf16-mixed``).
 
@@ -119,7 +124,13 @@ class WeightStore:
                 continue
             g = transfer.grad_to_host(g, master.dtype, worker)
             moved += g.numel() * g.element_size()
-            if master.grad is None:
+            if sink is not None:
+                entry = sink.get(id(master))
+                if entry is None:
+                    sink[id(master)] = (master, g)
+                else:
+                    entry[1].add_(g)
+            elif master.grad is None:
                 master.grad = g
             else:
                 master.grad.add_(g)
