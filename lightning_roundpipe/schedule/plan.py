@@ -119,13 +119,17 @@ class ExecutionPlan:
 
         Forward stage ``s`` (``s > 0``) needs ``F(s-1, m)``. The first backward stage needs the last
         forward of the same microbatch (when the plan has forward stages); later backward stages need
-        the previous backward stage's gradient for the same microbatch. ``LOAD``/``DROP`` have no
-        cross-device dependencies (their order on the device list is their constraint).
+        the previous backward stage's gradient for the same microbatch. A ``W`` (weight-gradient
+        backward, zero-bubble baselines) needs the ``B`` of its own stage and microbatch.
+        ``LOAD``/``DROP`` have no cross-device dependencies (their order on the device list is their
+        constraint).
         """
         if not action.kind.is_compute:
             return ()
         spec = self.stages[action.stage_index]
         m = action.microbatch_index
+        if action.kind is ActionKind.W:
+            return (Action(spec.stage_index, spec.compute_kind, m),)
         fwd, bwd = self.forward_stages, self.backward_stages
         if spec.kind == "forward":
             pos = fwd.index(spec)
@@ -177,8 +181,11 @@ class ExecutionPlan:
             problems += _tiling_problems([s.layers for s in fwd], "forward")
         if bwd:
             problems += _tiling_problems([s.layers for s in reversed(bwd)], "backward")
-            if fwd and bwd[0].layers.stop != fwd[-1].layers.stop:
-                problems.append("backward stages must end at the same last layer as the forward stages")
+            # A fused tail runs its layers' forward itself, so the forward stages may stop before it.
+            ends = {bwd[0].layers.stop} | ({bwd[0].layers.start} if bwd[0].fused else set())
+            if fwd and fwd[-1].layers.stop not in ends:
+                problems.append("backward stages must end at the same last layer as the forward stages"
+                                " (or, with a fused tail, the forward stages must stop where the tail starts)")
         if any(s.fused for s in bwd[1:]):
             problems.append("only the first backward stage may be the fused tail")
         if self.num_microbatches < 1:

@@ -1,0 +1,40 @@
+"""The same ExecutionPlan driven by a cost model instead of devices (pure: no torch, no Lightning).
+
+- :func:`simulate`: time one iteration (or the steady state) of a plan from per-layer profiles;
+  returns a :class:`SimulationResult` holding a :class:`~lightning_roundpipe.metrics.Timeline`.
+- Baseline plans with weight binding (GPipe, 1F1B, interleaved 1F1B, looped BFS, ZB-H1), re-exported
+  from :mod:`lightning_roundpipe.schedule.baselines`.
+- :mod:`lightning_roundpipe.simulate.table`: the paper's bubble table from a layer-timings CSV
+  (``roundpipe simulate``).
+"""
+
+from lightning_roundpipe.schedule.baselines import (
+    BASELINE_BUILDERS,
+    balanced_stage_layers,
+    bound_stages,
+    build_1f1b_plan,
+    build_baseline_plan,
+    build_gpipe_plan,
+    build_interleaved_1f1b_plan,
+    build_looped_bfs_plan,
+    build_zb_h1_plan,
+    megatron_stage_layers,
+)
+from lightning_roundpipe.simulate.engine import SimulationResult, roundpipe_rounds, simulate
+from lightning_roundpipe.simulate.table import (
+    SCHEDULES,
+    ModelTimings,
+    bubble_table,
+    build_schedule_plan,
+    format_table,
+    layer_profiles,
+    read_layer_timings,
+    simulate_schedule,
+)
+
+__all__ = [
+    "BASELINE_BUILDERS", "ModelTimings", "SCHEDULES", "SimulationResult", "balanced_stage_layers", "bound_stages",
+    "bubble_table", "build_1f1b_plan", "build_baseline_plan", "build_gpipe_plan", "build_interleaved_1f1b_plan",
+    "build_looped_bfs_plan", "build_schedule_plan", "build_zb_h1_plan", "format_table", "layer_profiles",
+    "megatron_stage_layers", "read_layer_timings", "roundpipe_rounds", "simulate", "simulate_schedule",
+]

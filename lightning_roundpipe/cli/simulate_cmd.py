@@ -1,0 +1,99 @@
+"""`roundpipe simulate`: the paper's bubble table (section 5.4) from per-layer timings.
+
+Example (reproduces ``paper_simulated_bubbles.csv`` within a few points)::
+
+    python -m lightning_roundpipe.cli simulate \\
+        --layer-timings ../shared/data/paper_layer_timings_4090.csv --devices 8 --microbatches 16 --format csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lightning_roundpipe.simulate.table import (
+    SCHEDULES,
+    bubble_table,
+    build_schedule_plan,
+    format_table,
+    layer_profiles,
+    read_layer_timings,
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the ``simulate`` subcommand; its ``func`` is :func:`run`."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate pipeline schedules from per-layer timings and print idle %% per schedule and model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--layer-timings", required=True, type=Path, metavar="FILE.csv",
+                   help="CSV with model,num_layers,fwd_ms_per_layer,bwd_ms_per_layer,lm_head_fwd_ms,lm_head_bwd_ms"
+                        "[,comm_ms_per_hop]; lines starting with # are comments")
+    p.add_argument("--devices", type=int, default=8, help="number of devices D (default 8)")
+    p.add_argument("--microbatches", type=int, default=16, help="microbatches per iteration M (default 16)")
+    p.add_argument("--format", choices=("table", "csv"), default="table", help="output format (default table)")
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES), metavar="NAME",
+                   help=f"rows to simulate (default all: {' '.join(SCHEDULES)})")
+    p.add_argument("--no-baseline-recompute", action="store_true",
+                   help="baselines keep activations instead of recomputing them in the backward"
+                        " (the paper's simulation recomputes)")
+    p.add_argument("--plot", type=Path, metavar="OUT.png",
+                   help="write the timelines of every schedule for one model (see --plot-model) as a PNG")
+    p.add_argument("--plot-model", metavar="NAME", help="model to plot (default: the first row of the CSV)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command; returns the exit status (0 ok, 2 bad input)."""
+    if args.devices < 1 or args.microbatches < 1:
+        print(f"roundpipe simulate: error: --devices and --microbatches must be >= 1, got {args.devices} and"
+              f" {args.microbatches}", file=sys.stderr)
+        return 2
+    try:
+        timings = read_layer_timings(args.layer_timings)
+        recompute = not args.no_baseline_recompute
+        errors: list[str] = []
+        table = bubble_table(timings, args.devices, args.microbatches, args.schedules, recompute_baselines=recompute,
+                             errors=errors)
+    except (OSError, ValueError) as e:
+        print(f"roundpipe simulate: error: {e}", file=sys.stderr)
+        return 2
+    for msg in errors:
+        print(f"roundpipe simulate: warning: n/a for {msg}", file=sys.stderr)
+    if args.format == "csv":
+        print(f"# Simulated idle fraction (%) of one training iteration, {args.devices} devices,"
+              f" {args.microbatches} microbatches, per-layer times of {args.layer_timings.name}"
+              f" (lightning_roundpipe.simulate). \"steady\" = RoundPipe with fill/drain hidden by the next iteration.")
+    sys.stdout.write(format_table(table, args.format))
+    if args.plot is not None:
+        return _plot(args, timings, recompute)
+    return 0
+
+
+def _plot(args: argparse.Namespace, timings: list, recompute: bool) -> int:
+    from lightning_roundpipe.metrics.plot import plot_timelines
+    from lightning_roundpipe.simulate.engine import simulate
+
+    chosen = [t for t in timings if args.plot_model in (None, t.model)][:1]
+    if not chosen:
+        print(f"roundpipe simulate: error: --plot-model {args.plot_model!r} is not in the table; models:"
+              f" {[t.model for t in timings]}", file=sys.stderr)
+        return 2
+    t = chosen[0]
+    prof = layer_profiles(t)
+    panels = {}
+    for s in args.schedules:
+        try:
+            plan = build_schedule_plan(s, prof, args.devices, args.microbatches, recompute_baselines=recompute)
+        except ValueError:
+            continue  # already reported as n/a
+        res = simulate(plan, prof, comm_s_per_hop=t.comm_s_per_hop, steady_state=s == "roundpipe_steady")
+        panels[f"{t.model} {s}"] = res.timeline
+    out = plot_timelines(panels, args.plot)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
