@@ -184,7 +184,7 @@ class Executor:
             ActionKind.LOAD: self._load,
             ActionKind.F: self._forward,
             ActionKind.B: self._backward,
-            ActionKind.X: self._fused_tail,
+            ActionKind.X: self._backward,
             ActionKind.DROP: self._drop,
         }
 
@@ -312,6 +312,8 @@ class Executor:
         run.done[(action.stage_index, m)].set()
 
     def _backward(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
+        """``B`` (recompute from the saved input, then backward with the incoming gradient) and
+        ``X`` (the fused tail: forward, loss and backward seeded with ``loss_seed``)."""
         spec = run.plan.stages[action.stage_index]
         m = action.microbatch_index
         state = run.state
@@ -319,63 +321,38 @@ class Executor:
         stage = resident[action.stage_index]
         self.store.ensure_ready(stage, worker)
         a, b = spec.layers.start, spec.layers.stop
+        last = b == len(self.seq.layers)
         t = run.now()
         carry, _ = transfer.to_device(state.acts.pop((a, m)), worker)
         leaves: list[torch.Tensor] = []
         if a > 0:
             carry, leaves = _grad_leaves(carry, self.seq.grad_keys)
-        if b == len(self.seq.layers):
-            incoming = state.final_grads[m]
-        else:
-            incoming = state.grads.pop((b, m))
-        incoming, _ = transfer.to_device(incoming, worker)
+        if not spec.fused:
+            incoming, _ = transfer.to_device(state.final_grads[m] if last else state.grads.pop((b, m)), worker)
         with torch.enable_grad():
             with self._autocast(worker):
-                out, recompute_s = self._call_layers(worker, run, stage, spec.layers, carry, m, profile_kind="recompute")
-            outs = pytree.tree_leaves(out) if b == len(self.seq.layers) else _diff_leaves(out, self.seq.grad_keys)
-            pairs = [(o, g) for o, g in zip(outs, incoming)
-                     if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+                out, layer_s = self._call_layers(worker, run, stage, spec.layers, carry, m,
+                                                 profile_kind="forward" if spec.fused else "recompute")
+            if spec.fused:
+                loss = out[self.seq.loss_key]
+                pairs = [(loss, torch.full_like(loss, state.loss_seed))]
+            else:
+                outs = pytree.tree_leaves(out) if last else _diff_leaves(out, self.seq.grad_keys)
+                pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, incoming)
+                         if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
             tb = time.perf_counter()
             if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
-            if recompute_s:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if layer_s:  # profiling: split the backward over the stage's layers like their forward
                 _sync(worker)
-                total, rec = time.perf_counter() - tb, sum(recompute_s.values()) or 1.0
-                for li, r in recompute_s.items():  # split over the stage's layers like their recompute
-                    self.profiler.record("backward", li, total * r / rec)
+                total, whole = time.perf_counter() - tb, sum(layer_s.values()) or 1.0
+                for li, sec in layer_s.items():
+                    self.profiler.record("backward", li, total * sec / whole)
         if a > 0:
             state.grads[(a, m)] = transfer.to_host([leaf.grad for leaf in leaves], worker)[0]
-        self._record(run, worker, "B", action, t, 0)
-        run.done[(action.stage_index, m)].set()
-
-    def _fused_tail(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
-        spec = run.plan.stages[action.stage_index]
-        m = action.microbatch_index
-        state = run.state
-        self._wait_deps(action, run)
-        stage = resident[action.stage_index]
-        self.store.ensure_ready(stage, worker)
-        a = spec.layers.start
-        t = run.now()
-        carry, _ = transfer.to_device(state.acts.pop((a, m)), worker)
-        leaves: list[torch.Tensor] = []
-        if a > 0:
-            carry, leaves = _grad_leaves(carry, self.seq.grad_keys)
-        with torch.enable_grad():
-            with self._autocast(worker):
-                out, fwd_s = self._call_layers(worker, run, stage, spec.layers, carry, m, profile_kind="forward")
-            loss = out[self.seq.loss_key]
-            tb = time.perf_counter()
-            torch.autograd.backward([loss], [torch.full_like(loss, state.loss_seed)])
-            if fwd_s:
-                _sync(worker)
-                total, fwd = time.perf_counter() - tb, sum(fwd_s.values()) or 1.0
-                for li, f in fwd_s.items():
-                    self.profiler.record("backward", li, total * f / fwd)
-        if a > 0:
-            state.grads[(a, m)] = transfer.to_host([leaf.grad for leaf in leaves], worker)[0]
-        state.final[m] = transfer.to_host({self.seq.loss_key: loss.detach()}, worker)[0]
-        self._record(run, worker, "X", action, t, 0)
+        if spec.fused:
+            state.final[m] = transfer.to_host({self.seq.loss_key: loss.detach()}, worker)[0]
+        self._record(run, worker, action.kind.value, action, t, 0)
         run.done[(action.stage_index, m)].set()
 
     def _drop(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
