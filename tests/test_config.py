@@ -1,0 +1,178 @@
+"""The Hydra configs of the main job (``conf/``): composition, overrides, instantiation.
+
+Nothing here loads the real model: the module is built around ``tiny_smollm2`` and the datamodule
+gets a byte-level stand-in tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_roundpipe.train import CONF_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compose(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # so ${hydra:...} resolves outside a Hydra run
+    return cfg
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (0..255), eos = 0: enough of a tokenizer for the datamodule."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def __call__(self, texts: list[str], **_: object) -> dict[str, list[list[int]]]:
+        return {"input_ids": [self.encode(t) for t in texts]}
+
+
+def test_conf_dir_is_top_level() -> None:
+    assert CONF_DIR == ROOT / "conf"
+    assert (CONF_DIR / "train.yaml").is_file()
+
+
+def test_default_composes() -> None:
+    cfg = _compose()
+    assert cfg.strategy._target_ == "lightning_roundpipe.RoundPipeStrategy"
+    assert cfg.strategy.num_microbatches is None
+    assert cfg.trainer.precision == "bf16-mixed"
+    assert cfg.model.model._target_ == "lightning_roundpipe.cli.smollm2.load_smollm2_model"
+    assert cfg.model.lora._target_ == "peft.LoraConfig"
+    assert cfg.data._target_ == "lightning_roundpipe.cli.finetune.ShakespeareDataModule"
+    assert cfg.logger.wandb._target_.endswith("WandbLogger")
+    if torch.cuda.is_available():
+        assert cfg.trainer.accelerator == "cuda"
+        assert cfg.trainer.devices == torch.cuda.device_count()
+    else:
+        assert cfg.trainer.accelerator == "cpu"
+        assert cfg.trainer.devices == 2
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    OmegaConf.to_container(job, resolve=True)  # every interpolation resolves
+
+
+def test_overrides_apply() -> None:
+    cfg = _compose("trainer.max_steps=5", "trainer.devices=3", "strategy.num_microbatches=4")
+    assert cfg.trainer.max_steps == 5
+    assert cfg.trainer.devices == 3
+    assert cfg.strategy.num_microbatches == 4
+
+
+def test_strategy_auto_is_plain_lightning_on_one_device() -> None:
+    cfg = _compose("strategy=auto")
+    assert cfg.strategy == "auto"
+    assert cfg.trainer.devices == 1
+
+
+def test_experiment_ci_reduces_the_run() -> None:
+    default, ci = _compose(), _compose("experiment=ci")
+    assert ci.trainer.max_steps < default.trainer.max_steps
+    assert ci.data.val_blocks < default.data.val_blocks
+    assert ci.strategy._target_ == default.strategy._target_  # still RoundPipe
+
+
+def test_trainer_and_logger_instantiate(tmp_path: Path) -> None:
+    cfg = _compose("trainer.max_steps=5", f"paths.output_dir={tmp_path}")
+    logger = instantiate(cfg.logger.wandb)  # the W&B run starts lazily, not here
+    assert logger.save_dir == str(tmp_path)
+    trainer = instantiate(cfg.trainer, strategy="auto", devices=1, logger=False, enable_progress_bar=False)
+    assert trainer.max_steps == 5
+    assert trainer.precision == "bf16-mixed"
+
+
+def test_roundpipe_strategy_instantiates() -> None:
+    import lightning_roundpipe
+
+    if not hasattr(lightning_roundpipe, "RoundPipeStrategy"):
+        pytest.skip("lightning_roundpipe.RoundPipeStrategy is not importable yet")
+    cfg = _compose("strategy.num_microbatches=4")
+    strategy = instantiate(cfg.strategy)
+    assert isinstance(strategy, lightning_roundpipe.RoundPipeStrategy)
+
+
+def test_datamodule_instantiates_lazily_and_packs_blocks() -> None:
+    cfg = _compose("data.files=[hamlet_gut.txt,macbeth_gut.txt,tempest_gut.txt]", "data.val_blocks=10")
+    dm = instantiate(cfg.data)
+    assert isinstance(dm._tokenizer_source, functools.partial)  # the real tokenizer is not loaded yet
+    dm._tokenizer_source = ByteTokenizer()
+    dm.setup("fit")
+    assert dm.train_set is not None and dm.val_set is not None
+    assert len(dm.val_set) == 10
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert batch["input_ids"].shape == (cfg.data.batch_size, cfg.data.seq_len)
+    assert torch.equal(batch["labels"], batch["input_ids"])  # packed: no padding
+    # the split is by play: no validation block occurs in the training set
+    train_rows = {tuple(r.tolist()) for r in dm.train_set.blocks}
+    assert not any(tuple(r.tolist()) in train_rows for r in dm.val_set.blocks)
+    # deterministic validation set
+    dm2 = instantiate(cfg.data, tokenizer=ByteTokenizer())
+    dm2.setup("validate")
+    assert torch.equal(dm.val_set.blocks, dm2.val_set.blocks)
+
+
+def test_datamodule_rejects_a_split_without_validation_files() -> None:
+    cfg = _compose("data.files=[macbeth_gut.txt]")
+    dm = instantiate(cfg.data, tokenizer=ByteTokenizer())
+    with pytest.raises(ValueError, match="val_files"):
+        dm.setup("fit")
+
+
+def test_module_config_wraps_the_model_with_lora() -> None:
+    from lightning_roundpipe.cli.smollm2 import tiny_smollm2
+
+    cfg = _compose()
+    module = instantiate(cfg.model, model=tiny_smollm2())  # the default config, a tiny model
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any("q_proj" in n for n in trainable) and any("o_proj" in n for n in trainable)
+    base = module.model.get_base_model()
+    assert base.lm_head.weight is base.model.embed_tokens.weight  # tied embeddings kept
+    assert base.config.use_cache is False
+    batch = {"input_ids": torch.randint(0, 100, (2, 16))}
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["labels"] = batch["input_ids"].clone()
+    loss = module(**batch).loss
+    loss.backward()
+    assert all(p.grad is not None for p in module.parameters() if p.requires_grad)
+
+    optimizer = module._optimizer_factory([p for p in module.parameters() if p.requires_grad])
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert optimizer.defaults["fused"] is True
+    optimizer.step()  # fused AdamW runs on the CPU
+    scheduler = module._scheduler_factory(optimizer, num_training_steps=cfg.trainer.max_steps)
+    assert scheduler.get_last_lr()[0] == 0.0  # linear warmup from 0
+
+
+def test_tiny_model_config_instantiates() -> None:
+    cfg = _compose("model=tiny_lora")
+    module = instantiate(cfg.model)
+    assert sum(p.numel() for p in module.parameters()) < 5_000_000
+
+
+def test_cli_applies_overrides() -> None:
+    """The Hydra app itself (``--cfg job``: print the composed config, run nothing)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_roundpipe.train", "--cfg", "job",
+         "trainer.max_steps=5", "trainer.devices=3", "strategy.num_microbatches=4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "WANDB_MODE": "disabled"},
+    )
+    assert out.returncode == 0, out.stderr
+    cfg = OmegaConf.create(out.stdout)
+    assert cfg.trainer.max_steps == 5 and cfg.trainer.devices == 3 and cfg.strategy.num_microbatches == 4
