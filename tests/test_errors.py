@@ -126,3 +126,8 @@ def test_bf16_mixed_trains():
     t.fit(module, loader(VectorData()))
     assert all(p.dtype == torch.float32 for p in module.parameters())  # fp32 masters
     assert t.global_step == 3
+
+
+def test_multi_node_is_rejected():
+    with pytest.raises(ValueError, match="num_nodes"):
+        trainer("roundpipe", devices=2, num_nodes=2)

@@ -131,6 +131,19 @@ class RoundPipeStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ devices
     @property
+    def num_nodes(self) -> int:
+        """Always 1: RoundPipe is a single-process, single-machine strategy."""
+        return 1
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        if value != 1:
+            raise ValueError(
+                f"`RoundPipeStrategy` runs in one process on one machine; got `num_nodes={value}`."
+                " HINT: use `Trainer(num_nodes=1, devices=N)` with the N GPUs (or CPU virtual devices) of this machine."
+            )
+
+    @property
     def num_devices(self) -> int:
         """Number of pipeline devices (workers)."""
         return len(self.parallel_devices or [torch.device("cpu")])
