@@ -99,3 +99,26 @@ def test_unsupported_inputs_are_rejected():
 def test_unsupported_model_error_names_families():
     with pytest.raises(TypeError, match=r"llama.*qwen3.*nn\.Sequential"):
         make_layer_sequence(nn.Linear(3, 3))
+
+
+@pytest.mark.parametrize("kwargs", [dict(output_hidden_states=True), dict(logits_to_keep=1), dict(output_attentions=True),
+                                    dict(past_key_values=object())])
+def test_arguments_that_change_the_output_are_rejected(kwargs):
+    model = _tiny("llama")
+    engine = RoundPipeEngine(make_layer_sequence(model), [torch.device("cpu")], num_microbatches=2)
+    engine.install()
+    try:
+        with pytest.raises(ValueError, match="does not support"):
+            model(input_ids=torch.zeros(2, 3, dtype=torch.long), **kwargs)
+        # the same arguments at their defaults are fine
+        model(input_ids=torch.zeros(2, 3, dtype=torch.long), use_cache=False, output_hidden_states=False, logits_to_keep=0)
+    finally:
+        engine.close()
+
+
+def test_hf_gradient_checkpointing_is_turned_off():
+    model = _tiny("qwen3")
+    model.gradient_checkpointing_enable()
+    with pytest.warns(UserWarning, match="gradient checkpointing"):
+        make_layer_sequence(model)
+    assert not model.is_activation_checkpointing

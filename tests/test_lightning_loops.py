@@ -57,3 +57,79 @@ def test_wandb_offline_logger(tmp_path, monkeypatch):
     logged = logger.experiment.summary
     assert "roundpipe/device1/bubble(%)" in dict(logged)
     logger.experiment.finish()
+
+
+class _Upstream(MLPModule):
+    """A trainable module in front of the pipelined model: gradients must flow through the pipeline's input."""
+
+    def __init__(self):
+        super().__init__(scheduler=False)
+        torch.manual_seed(3)
+        self.pre = torch.nn.Linear(8, 8)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.model(self.pre(x)), y)
+
+
+@pytest.mark.parametrize("devices,num_microbatches", [(1, 1), (3, 4)])
+def test_gradients_reach_modules_upstream(devices, num_microbatches):
+    from _helpers import fit_params, max_diff
+
+    ref = fit_params(_Upstream, VectorData(), max_steps=3)
+    got = fit_params(_Upstream, VectorData(), devices=devices, max_steps=3,
+                     strategy=lightning_roundpipe.RoundPipeStrategy(num_microbatches=num_microbatches))
+    assert max_diff(ref, got) <= 1e-5
+    assert max_diff(got, fit_params(_Upstream, VectorData(), max_steps=0)) > 1e-3
+
+
+def test_input_gradient_with_autograd_grad():
+    from lightning_roundpipe.adapters import make_layer_sequence
+    from lightning_roundpipe.runtime.engine import RoundPipeEngine
+    from _helpers import tiny_mlp
+
+    model, ref = tiny_mlp(), tiny_mlp()
+    engine = RoundPipeEngine(make_layer_sequence(model), [torch.device("cpu")] * 2, num_microbatches=3)
+    engine.install()
+    try:
+        x = torch.randn(5, 8, requires_grad=True)
+        (g,) = torch.autograd.grad(model(x).pow(2).sum(), x)
+        x2 = x.detach().clone().requires_grad_(True)
+        (g_ref,) = torch.autograd.grad(ref(x2).pow(2).sum(), x2)
+        assert torch.allclose(g, g_ref, atol=1e-6)
+        with pytest.raises(RuntimeError, match="Double backward"):
+            out = model(x).pow(2).sum()
+            torch.autograd.grad(torch.autograd.grad(out, x, create_graph=True)[0].sum(), x)
+    finally:
+        engine.close()
+
+
+def test_batchnorm_running_stats_are_written_back():
+    class BN(MLPModule):
+        def __init__(self):
+            super().__init__(scheduler=False)
+            self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                             torch.nn.Linear(16, 4))
+
+    module = BN()
+    trainer(lightning_roundpipe.RoundPipeStrategy(num_microbatches=2), devices=2, max_steps=3).fit(module, loader(VectorData()))
+    bn = module.model[1]
+    assert int(bn.num_batches_tracked) == 3 * 2  # once per microbatch forward, never in recomputation
+    assert bn.running_mean.abs().sum() > 0
+
+
+def test_scalar_output_of_sequential_is_an_error():
+    class Mean(torch.nn.Module):
+        def forward(self, x):
+            return x.pow(2).mean()
+
+    class Scalar(MLPModule):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Sequential(torch.nn.Linear(8, 4), Mean())
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch[0])
+
+    with pytest.raises(ValueError, match="batch on dim 0"):
+        trainer("roundpipe", devices=2, max_steps=1).fit(Scalar(), loader(VectorData()))

@@ -34,6 +34,9 @@ class LayerSequence:
         loss_key: key of the last layer's carry that holds the model's own scalar loss, when the
             model can compute one (HF causal LM called with ``labels``); enables the fused path.
         has_loss: ``has_loss(batch_carry) -> bool``: whether this call computes that loss.
+        additive_scalars: 0-dim outputs are per-microbatch contributions that sum to the batch's
+            value (the HF loss normalised by the whole batch's label tokens). Otherwise every output
+            must carry the batch on dim 0, and a 0-dim output is an error.
     """
 
     target: nn.Module
@@ -45,6 +48,7 @@ class LayerSequence:
     family: str = ""
     loss_key: str | None = None
     has_loss: Callable[[dict], bool] | None = None
+    additive_scalars: bool = False
 
     def __len__(self) -> int:
         return len(self.layers)

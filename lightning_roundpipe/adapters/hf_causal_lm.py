@@ -16,6 +16,7 @@ The family table is data: a new family whose model class follows the same
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -32,7 +33,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window_attr": "sliding_window"},
 }
 
-_IGNORE_KWARGS = {"use_cache", "return_dict", "output_attentions", "output_hidden_states", "logits_to_keep"}
+#: arguments accepted at their no-op values only (anything else changes the output and is rejected)
+_NOOP_KWARGS = {"use_cache": (None, False), "return_dict": (None, True), "output_attentions": (None, False),
+                "output_hidden_states": (None, False), "logits_to_keep": (None, 0)}
+_SUPPORTED = ("input_ids", "attention_mask", "position_ids", "labels", "num_items_in_batch")
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
@@ -139,6 +143,12 @@ class HFTail(nn.Module):
         return out
 
 
+def _is_noop(value: Any, allowed: tuple) -> bool:
+    """``value`` is ``None`` or equal, with the same type, to the argument's default (``allowed[1]``)."""
+    default = allowed[1]
+    return value is None or (type(value) is type(default) and value == default)
+
+
 def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
     """Layer sequence of a supported HF causal LM (``model`` may be PEFT-wrapped).
 
@@ -155,6 +165,14 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         raise ValueError(
             f"`{type(inner).__name__}` is not a supported Hugging Face causal LM (model types {sorted(FAMILIES)})."
         )
+    if getattr(inner, "is_activation_checkpointing", None) or (
+        not hasattr(inner, "is_activation_checkpointing") and getattr(inner, "is_gradient_checkpointing", False)
+    ):
+        # RoundPipe already recomputes every backward stage; HF checkpointing inside a stage would
+        # recompute twice and does not survive the stage's own recomputation
+        (getattr(inner, "activation_checkpointing_disable", None) or inner.gradient_checkpointing_disable)()
+        warnings.warn("RoundPipe turned off Hugging Face gradient checkpointing: backward stages already recompute"
+                      " their layers from the saved stage input.")
     cfg = inner.config
     body = inner.model
     n = cfg.num_hidden_layers
@@ -174,17 +192,16 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
             kwargs = {"input_ids": args[0], **kwargs}
             if len(args) > 1:
                 raise TypeError("The pipelined causal LM takes `input_ids` as its only positional argument; pass the rest by name.")
-        unsupported = {k: v for k, v in kwargs.items()
-                       if k not in ("input_ids", "attention_mask", "position_ids", "labels") and k not in _IGNORE_KWARGS
-                       and v is not None}
+        unsupported = sorted(k for k, v in kwargs.items()
+                             if k not in _SUPPORTED and not (k in _NOOP_KWARGS and _is_noop(v, _NOOP_KWARGS[k])))
         if unsupported:
             raise ValueError(
-                f"The pipelined causal LM does not support the arguments {sorted(unsupported)}. Supported: `input_ids`,"
-                " `attention_mask`, `position_ids`, `labels`. HINT: generation with a KV cache and `inputs_embeds` run"
-                " outside the RoundPipe strategy."
+                f"The pipelined causal LM does not support {', '.join(f'`{k}={kwargs[k]!r}`' for k in unsupported)}."
+                f" Supported: {', '.join(f'`{k}`' for k in _SUPPORTED)}, and"
+                f" {', '.join(f'`{k}`' for k in _NOOP_KWARGS)} at their defaults. HINT: generation with a KV cache,"
+                " `inputs_embeds`, hidden states and attentions are available outside the RoundPipe strategy"
+                " (e.g. in a plain `trainer.predict` with the default strategy)."
             )
-        if kwargs.get("use_cache"):
-            raise ValueError("`use_cache=True` is not supported by the pipelined forward (stages keep no KV cache).")
         input_ids = kwargs.get("input_ids")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"`input_ids` must be an int tensor of shape (batch, seq), got {type(input_ids).__name__}"
@@ -195,7 +212,8 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         if labels is not None:
             carry["labels"] = labels
             # label tokens of the whole batch after the causal shift (as transformers' ForCausalLMLoss counts them)
-            carry["num_items_in_batch"] = (labels[..., 1:] != -100).sum()
+            n = kwargs.get("num_items_in_batch")
+            carry["num_items_in_batch"] = (labels[..., 1:] != -100).sum() if n is None else torch.as_tensor(n)
         return carry
 
     def finalize(merged: dict) -> Any:
@@ -213,4 +231,5 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         family=cfg.model_type,
         loss_key="loss",
         has_loss=lambda carry: carry.get("labels") is not None,
+        additive_scalars=True,
     )

@@ -176,6 +176,9 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         self.engine.install()
         log.info("RoundPipe: pipelining `%s` (%s, %d layers) on %d device(s), %d microbatches",
                  type(seq.target).__name__, seq.family, len(seq), len(devices), m)
+        if self.fused_loss and seq.loss_key:
+            log.info("RoundPipe: fused path on: a training call with `labels` returns the loss only (`logits=None`);"
+                     " use `RoundPipeStrategy(fused_loss=False)` to get logits in `training_step`.")
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_roundpipe.integration.callbacks import RoundPipeMetricsCallback
 
@@ -202,10 +205,12 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         if len(found) == 1:
             return found[0][1]
         if not found:
+            children = {n: type(m).__name__ for n, m in lm.named_children()}
             raise ValueError(
-                f"RoundPipe found no module to pipeline in `{type(lm).__name__}`: none of its submodules is a supported"
-                " Hugging Face causal LM (llama, mistral, qwen2, qwen3; also under PEFT) or an `nn.Sequential`."
-                " HINT: pass `RoundPipeStrategy(module='<attribute>')`."
+                f"RoundPipe found no module to pipeline in `{type(lm).__name__}`: none of its submodules ({children}) is a"
+                " supported Hugging Face causal LM (llama, mistral, qwen2, qwen3; also under PEFT) or an `nn.Sequential`."
+                " HINT: express the model as an `nn.Sequential` whose inputs and outputs carry the batch on dim 0 and"
+                " point `RoundPipeStrategy(module='<attribute>')` at it, or use a supported model family."
             )
         raise ValueError(
             f"RoundPipe found several modules it could pipeline in `{type(lm).__name__}`: {[n for n, _ in found]}."

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -20,7 +21,7 @@ from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.autograd import attach
 from lightning_roundpipe.runtime.devices import DeviceWorker
 from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
-from lightning_roundpipe.runtime.microbatch import merge_leaves, split_grads, split_microbatches
+from lightning_roundpipe.runtime.microbatch import merge_input_grads, merge_leaves, split_grads, split_microbatches
 from lightning_roundpipe.runtime.profiler import LayerProfiler
 from lightning_roundpipe.runtime.store import WeightStore
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages, default_stage_ranges
@@ -35,6 +36,18 @@ def _once(state: PipelineState) -> None:
             " after the first backward. HINT: do not use `retain_graph=True` across the pipelined model."
         )
     state.backward_done = True
+
+
+def _check_batch_dim(per_mb_leaves: list[list], sizes: list[int], family: str) -> None:
+    """Outputs of a model without additive scalars must carry the batch on dim 0 (they are concatenated)."""
+    for leaves, rows in zip(per_mb_leaves, sizes):
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != rows):
+                raise ValueError(
+                    f"The pipelined `{family}` returned a tensor of shape {tuple(t.shape)} for a microbatch of {rows} rows:"
+                    " its outputs must carry the batch on dim 0, because RoundPipe concatenates them over microbatches."
+                    " HINT: compute reductions (the loss, a mean over the batch) outside the pipelined model."
+                )
 
 
 class RoundPipeEngine:
@@ -86,6 +99,7 @@ class RoundPipeEngine:
         self._timelines: list[Timeline] = []
         self._lock = threading.Lock()
         self._original_forward = None
+        self._warned_small_batch = False
         self.stage_memory_bytes = stage_memory_bytes
         self.fused_loss = fused_loss
         self.auto_partition_after_steps = auto_partition_after_steps
@@ -167,13 +181,26 @@ class RoundPipeEngine:
         """
         seq = self.seq
         carry = seq.prepare(args, kwargs)
+        flat, carry_spec = pytree.tree_flatten(carry)
+        grad_enabled = torch.is_grad_enabled()
+        # inputs that carry autograd history (a trainable module in front of the model): the node
+        # takes them as inputs and returns their gradients; the workers see detached copies
+        grad_pos = tuple(i for i, t in enumerate(flat)
+                         if grad_enabled and isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
+        grad_inputs = [flat[i] for i in grad_pos]
+        carry = pytree.tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], carry_spec)
         mbs, sizes = split_microbatches(carry, self.num_microbatches)
         m = len(mbs)
-        training = torch.is_grad_enabled() and any(p.requires_grad for p in seq.parameters())
+        if m < self.num_microbatches and not self._warned_small_batch:
+            self._warned_small_batch = True
+            warnings.warn(f"RoundPipe: a batch of {sum(sizes)} rows is cut into {m} microbatches instead of"
+                          f" `num_microbatches={self.num_microbatches}` (a microbatch needs at least one row).")
+        training = grad_enabled and (bool(grad_pos) or any(p.requires_grad for p in seq.parameters()))
         n_fwd = len(self.partition.forward_stages)
         n_bwd = len(self.partition.backward_stages)
         state = PipelineState(num_microbatches=m)
         state.rng_layers = rng_layers(seq)
+        state.input_grad_positions = grad_pos
         if state.rng_layers:
             state.base_seed = int(torch.randint(0, 2**62, (1,)).item())
         if training:
@@ -181,16 +208,18 @@ class RoundPipeEngine:
         for i, mb in enumerate(mbs):
             state.acts[(0, i)] = mb
         if training and self.fused_loss and seq.loss_key and seq.has_loss and seq.has_loss(carry):
-            return self._fused_forward(state, m)
+            return self._fused_forward(state, m, flat, sizes, grad_inputs)
         cursor = self._advance(n_fwd)
         self._run(self.plan(m, cursor).phase("forward"), state)
         finals = [pytree.tree_flatten(state.final.pop(i)) for i in range(m)]
         spec = finals[0][1]
+        if not seq.additive_scalars:
+            _check_batch_dim([leaves for leaves, _ in finals], sizes, seq.family)
         merged = merge_leaves([leaves for leaves, _ in finals])
         if training:
             idx = [i for i, x in enumerate(merged) if isinstance(x, torch.Tensor)]
 
-            def run_backward(grads: list) -> None:
+            def run_backward(grads: list) -> list:
                 _once(state)
                 full = [None] * len(merged)
                 for i, g in zip(idx, grads):
@@ -199,13 +228,22 @@ class RoundPipeEngine:
                 bcursor = (self._advance(n_bwd) - n_fwd) % len(self.workers)
                 self._run(self.plan(m, bcursor).phase("backward"), state)
                 state.acts.clear()
+                return self._input_grads(state, flat, sizes)
 
-            attached = attach([merged[i] for i in idx], run_backward)
+            attached = attach([merged[i] for i in idx], run_backward, grad_inputs)
             for i, t in zip(idx, attached):
                 merged[i] = t
         return seq.finalize(pytree.tree_unflatten(merged, spec))
 
-    def _fused_forward(self, state: PipelineState, m: int) -> Any:
+    def _input_grads(self, state: PipelineState, batch_leaves: list, sizes: list[int]) -> list:
+        """Gradients of the batch's grad-requiring inputs, merged over microbatches."""
+        if not state.input_grad_positions:
+            return []
+        per_mb = [state.grads.pop((0, i), None) or [None] * len(state.input_grad_positions) for i in range(len(sizes))]
+        return merge_input_grads([batch_leaves[i] for i in state.input_grad_positions], per_mb, sizes)
+
+    def _fused_forward(self, state: PipelineState, m: int, batch_leaves: list, sizes: list[int],
+                       grad_inputs: list) -> Any:
         """The fused path: the whole step runs now; the returned loss's backward scales the buffers.
 
         Gradients land in CPU buffers (``state.grad_sink``); the node's backward adds
@@ -218,21 +256,26 @@ class RoundPipeEngine:
         key = self.seq.loss_key
         loss = merge_leaves([[state.final.pop(i)[key]] for i in range(m)])[0]
         sink = state.grad_sink
+        input_grads = self._input_grads(state, batch_leaves, sizes)
 
-        def run_backward(grads: list) -> None:
+        def scaled(buf: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+            return buf if bool(g == 1) else buf * g.to(buf.dtype)
+
+        def run_backward(grads: list) -> list:
             _once(state)
             g = grads[0]
             if g is None:
-                return
+                return [None] * len(input_grads)
             for master, buf in sink.values():
-                contrib = buf if bool(g == 1) else buf * g.to(buf.dtype)
+                contrib = scaled(buf, g)
                 if master.grad is None:
                     master.grad = contrib
                 else:
                     master.grad.add_(contrib)
             sink.clear()
+            return [None if x is None else scaled(x, g) for x in input_grads]
 
-        (loss,) = attach([loss], run_backward)
+        (loss,) = attach([loss], run_backward, grad_inputs)
         return self.seq.finalize({key: loss})
 
     def _run(self, plan: ExecutionPlan, state: PipelineState) -> None:

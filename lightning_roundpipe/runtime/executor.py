@@ -66,6 +66,8 @@ class PipelineState:
             fills instead of ``.grad``.
         loss_seed: fused path: the gradient the fused tail seeds its loss with (the fp16 loss scale;
             1.0 otherwise).
+        input_grad_positions: flat (pytree) positions of the batch inputs that need a gradient;
+            their per-microbatch gradients go to ``grads[(0, microbatch_index)]``.
     """
 
     num_microbatches: int
@@ -79,6 +81,7 @@ class PipelineState:
     grad_sink: dict | None = None
     loss_seed: float = 1.0
     backward_done: bool = False
+    input_grad_positions: tuple = ()
 
 
 class PhaseRun:
@@ -327,6 +330,8 @@ class Executor:
         leaves: list[torch.Tensor] = []
         if a > 0:
             carry, leaves = _grad_leaves(carry, self.seq.grad_keys)
+        elif state.input_grad_positions:
+            carry, leaves = _grad_positions(carry, state.input_grad_positions)
         if not spec.fused:
             incoming, _ = transfer.to_device(state.final_grads[m] if last else state.grads.pop((b, m)), worker)
         with torch.enable_grad():
@@ -348,7 +353,7 @@ class Executor:
                 total, whole = time.perf_counter() - tb, sum(layer_s.values()) or 1.0
                 for li, sec in layer_s.items():
                     self.profiler.record("backward", li, total * sec / whole)
-        if a > 0:
+        if leaves:
             state.grads[(a, m)] = transfer.to_host([leaf.grad for leaf in leaves], worker)[0]
         if spec.fused:
             state.final[m] = transfer.to_host({self.seq.loss_key: loss.detach()}, worker)[0]
@@ -358,6 +363,9 @@ class Executor:
     def _drop(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
         stage = resident.pop(action.stage_index)
         spec = run.plan.stages[action.stage_index]
+        if (spec.kind == "forward" or spec.fused) and stage.buffer_pairs and any(
+                self.seq.layers[li].training for li in spec.layers):
+            self.store.write_back_buffers(stage)
         if spec.kind == "backward":
             bwd = run.plan.backward_stages
             pos = bwd.index(spec)
@@ -389,6 +397,16 @@ def _grad_leaves(carry: dict, keys: tuple[str, ...]) -> tuple[dict, list[torch.T
         if k in out:
             out[k] = pytree.tree_map(mark, out[k])
     return out, leaves
+
+
+def _grad_positions(carry: Any, positions: tuple) -> tuple[Any, list[torch.Tensor]]:
+    """Copy of ``carry`` whose leaves at the flat ``positions`` are fresh leaves requiring grad."""
+    flat, spec = pytree.tree_flatten(carry)
+    leaves = []
+    for i in positions:
+        flat[i] = flat[i].detach().requires_grad_(True)
+        leaves.append(flat[i])
+    return pytree.tree_unflatten(flat, spec), leaves
 
 
 def _diff_leaves(carry: dict, keys: tuple[str, ...]) -> list[Any]:

@@ -79,3 +79,26 @@ def split_grads(merged_leaves: Sequence[Any], grads: Sequence[torch.Tensor | Non
         for m, p in enumerate(parts):
             out[m].append(p)
     return out
+
+
+def merge_input_grads(batch_leaves: Sequence[torch.Tensor], per_mb_grads: Sequence[Sequence[torch.Tensor | None]],
+                      sizes: Sequence[int]) -> list[torch.Tensor | None]:
+    """Gradients of batch inputs from their per-microbatch gradients.
+
+    A leaf that was cut along dim 0 gets its slices concatenated (a missing slice is zeros); a leaf
+    given whole to every microbatch gets the sum.
+    """
+    bsz = sum(sizes)
+    out: list[torch.Tensor | None] = []
+    for j, leaf in enumerate(batch_leaves):
+        grads = [mb[j] for mb in per_mb_grads]
+        if all(g is None for g in grads):
+            out.append(None)
+            continue
+        if leaf.dim() >= 1 and leaf.shape[0] == bsz:
+            parts = [g if g is not None else torch.zeros((n,) + tuple(leaf.shape[1:]), dtype=leaf.dtype)
+                     for g, n in zip(grads, sizes)]
+            out.append(torch.cat(parts, dim=0).to(leaf.dtype))
+        else:
+            out.append(torch.stack([g for g in grads if g is not None]).sum(0).to(leaf.dtype))
+    return out

@@ -34,6 +34,7 @@ class ResidentStage:
     ready_event: Any
     nbytes: int
     copies: list[torch.Tensor] = field(default_factory=list)
+    buffer_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     waited: bool = False
 
 
@@ -99,7 +100,18 @@ class WeightStore:
                     c.requires_grad_(True)
                     grad_pairs.append((m, c))
         tensors = {li: {name: copies[k] for name, k in entries} for li, entries in names.items()}
-        return ResidentStage(stage_index, tensors, grad_pairs, ready, nbytes, copies)
+        buffer_pairs = [(m, c) for m, c, param in zip(masters, copies, is_param) if not param]
+        return ResidentStage(stage_index, tensors, grad_pairs, ready, nbytes, copies, buffer_pairs)
+
+    @staticmethod
+    def write_back_buffers(resident: ResidentStage) -> None:
+        """Copy the stage's buffers (BatchNorm running statistics...) back into the masters.
+
+        Called at the ``DROP`` of forward stages and of the fused tail in training mode: each layer's
+        buffers are updated by exactly one stage per step (recomputation works on throw-away copies).
+        """
+        for master, copy in resident.buffer_pairs:
+            master.copy_(copy.to(master.device))
 
     def ensure_ready(self, resident: ResidentStage, worker) -> None:
         """Before the first compute of a stage: wait for its (possibly prefetched) upload."""
