@@ -3,9 +3,19 @@
 ``import lightning_roundpipe`` registers ``Trainer(strategy="roundpipe")``.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+import time as _time
 
-from lightning_roundpipe.integration import RoundPipeMetricsCallback, RoundPipePrecision, RoundPipeStrategy
+_IMPORT_START_S = _time.perf_counter()
+"""``time.perf_counter()`` when Python began importing this package, before torch and Lightning: the
+main job (``python -m lightning_roundpipe.train``) counts its printed wall time from here."""
+
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
+
+from lightning_roundpipe.integration import (  # noqa: E402
+    RoundPipeMetricsCallback,
+    RoundPipePrecision,
+    RoundPipeStrategy,
+)
 
 RoundPipeStrategy.register_strategies(StrategyRegistry)
 

@@ -20,23 +20,15 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_roundpipe import _IMPORT_START_S
 
-def _process_start_s() -> float:
-    """When this process started, on the ``time.perf_counter()`` clock (seconds).
-
-    Falls back to now (this module's import) where ``psutil`` (a dependency of wandb) is missing.
-    """
-    now = time.perf_counter()
-    try:
-        import psutil
-
-        return now - max(time.time() - psutil.Process().create_time(), 0.0)
-    except Exception:  # pragma: no cover - psutil missing or no process table
-        return now
-
-
-_T0 = _process_start_s()
-"""When the process started: the printed wall time of a single run counts from here."""
+_T0 = _IMPORT_START_S
+"""Where the printed wall time of a single run counts from: the moment Python began importing the
+``lightning_roundpipe`` package, which ``python -m lightning_roundpipe.train`` (and ``roundpipe train``)
+does first, before torch and Lightning. It covers every import, model and data loading, validation
+and fitting; it leaves out the interpreter's own start-up (tens of ms) and whatever the shell ran
+before (``bash -c "...; python ..."`` execs the last command in the shell's process, so the process
+start time would count the earlier commands too)."""
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 """The Hydra config folder (top-level ``conf/`` of the source tree; the package is installed editable)."""
@@ -75,6 +67,25 @@ def _instantiate_dict(node: DictConfig | None) -> list[Any]:
     ]
 
 
+def build_trainer(cfg: DictConfig, strategy: Any, loggers: list[Any], callbacks: list[Any], **overrides: Any) -> Any:
+    """The ``lightning.pytorch.Trainer`` of ``cfg.trainer`` with the given strategy, loggers and callbacks.
+
+    ``conf/trainer`` sets ``enable_checkpointing: false`` (no checkpoint by default); when a
+    ``ModelCheckpoint`` is among ``callbacks`` (``callbacks=checkpoint``) checkpointing is switched on,
+    as Lightning refuses a ``ModelCheckpoint`` with ``enable_checkpointing=False``.
+
+    Args:
+        overrides: further ``Trainer`` arguments (they win over ``cfg.trainer``).
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    kwargs: dict[str, Any] = {"strategy": strategy, "logger": loggers or False, "callbacks": callbacks}
+    if any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        kwargs["enable_checkpointing"] = True
+    kwargs.update(overrides)
+    return hydra.utils.instantiate(cfg.trainer, **kwargs)
+
+
 def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
     """Build data, module, strategy and trainer from ``cfg``; validate, fit, validate.
 
@@ -100,9 +111,7 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
     strategy = hydra.utils.instantiate(cfg.strategy) if isinstance(cfg.strategy, DictConfig) else cfg.strategy
     loggers = _instantiate_dict(cfg.get("logger"))
     callbacks = _instantiate_dict(cfg.get("callbacks"))
-    trainer: pl.Trainer = hydra.utils.instantiate(
-        cfg.trainer, strategy=strategy, logger=loggers or False, callbacks=callbacks
-    )
+    trainer: pl.Trainer = build_trainer(cfg, strategy, loggers, callbacks)
     for logger in trainer.loggers:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
     datamodule.setup("fit")

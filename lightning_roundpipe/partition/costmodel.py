@@ -10,7 +10,7 @@ model on torch's meta device to check the parameter counts. Times follow a roofl
 FLOP/s) + element-wise bytes / device memory bandwidth. A backward costs about 2x a forward in FLOPs
 (input and weight gradients); with LoRA the frozen base needs only the input gradient (1x). The
 default efficiencies are fitted to the paper's per-layer timings on an RTX 4090
-(``/work/shared/data/paper_layer_timings_4090.csv``, fp16 with fp16 accumulation, 330 TFLOP/s peak);
+(``lightning_roundpipe/simulate/data/paper_layer_timings_4090.csv``, fp16 with fp16 accumulation, 330 TFLOP/s peak);
 ``docs/partitioner.md`` lists how close the model gets.
 """
 

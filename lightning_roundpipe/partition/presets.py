@@ -94,7 +94,7 @@ _ALIASES = {
     "qwen3-235b-a22b": "qwen3-235b-a22b", "qwen3-235b-a22b-lora": "qwen3-235b-a22b", "qwen3-235b": "qwen3-235b-a22b",
 }
 
-#: Display names (the paper's spelling, also the column names of ``/work/shared/data`` CSVs).
+#: Display names (the paper's spelling, also the column names of the CSVs in ``lightning_roundpipe/simulate/data``).
 DISPLAY_NAMES = {
     "qwen3-1.7b": "Qwen3-1.7B", "llama3.1-8b": "Llama3.1-8B", "qwen3-32b": "Qwen3-32B",
     "qwen3-235b-a22b": "Qwen3-235B-A22B",

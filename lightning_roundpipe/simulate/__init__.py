@@ -6,6 +6,8 @@
   from :mod:`lightning_roundpipe.schedule.baselines`.
 - :mod:`lightning_roundpipe.simulate.table`: the paper's bubble table from a layer-timings CSV
   (``roundpipe simulate``).
+- :func:`paper_data_path`: the paper's reference tables shipped with the package
+  (``lightning_roundpipe/simulate/data/``; ``roundpipe simulate --layer-timings paper``).
 """
 
 from lightning_roundpipe.schedule.baselines import (
@@ -21,6 +23,7 @@ from lightning_roundpipe.schedule.baselines import (
     megatron_stage_layers,
 )
 from lightning_roundpipe.simulate.engine import SimulationResult, roundpipe_rounds, simulate
+from lightning_roundpipe.simulate.paper_data import PAPER_DATA_DIR, PAPER_DATA_FILES, paper_data_path
 from lightning_roundpipe.simulate.table import (
     SCHEDULES,
     ModelTimings,
@@ -33,8 +36,8 @@ from lightning_roundpipe.simulate.table import (
 )
 
 __all__ = [
-    "BASELINE_BUILDERS", "ModelTimings", "SCHEDULES", "SimulationResult", "balanced_stage_layers", "bound_stages",
+    "BASELINE_BUILDERS", "ModelTimings", "PAPER_DATA_DIR", "PAPER_DATA_FILES", "SCHEDULES", "SimulationResult", "balanced_stage_layers", "bound_stages",
     "bubble_table", "build_1f1b_plan", "build_baseline_plan", "build_gpipe_plan", "build_interleaved_1f1b_plan",
     "build_looped_bfs_plan", "build_schedule_plan", "build_zb_h1_plan", "format_table", "layer_profiles",
-    "megatron_stage_layers", "read_layer_timings", "roundpipe_rounds", "simulate", "simulate_schedule",
+    "megatron_stage_layers", "paper_data_path", "read_layer_timings", "roundpipe_rounds", "simulate", "simulate_schedule",
 ]

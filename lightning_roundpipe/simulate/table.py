@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -86,39 +87,104 @@ def read_layer_timings(source: str | Path | io.TextIOBase) -> list[ModelTimings]
 
     Columns: ``model, num_layers, fwd_ms_per_layer, bwd_ms_per_layer, lm_head_fwd_ms,
     lm_head_bwd_ms`` and optionally ``comm_ms_per_hop``; others are ignored; lines starting with
-    ``#`` are comments.
+    ``#`` are comments. ``model`` must be non-empty and unique, ``num_layers`` an integer ``>= 1``,
+    every time a finite number ``>= 0`` (``comm_ms_per_hop`` may be empty: no hop cost), and a row
+    needs some compute time.
 
     Raises:
-        ValueError: a missing column, an empty table, or a value that is not a number (row named).
+        ValueError: a missing column, an empty table, a duplicate model name, or a bad value; the
+            message names the file, the line, the model and the column.
         FileNotFoundError: ``source`` is a path that does not exist.
     """
-    text = source.read() if isinstance(source, io.TextIOBase) else Path(source).read_text()
-    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    reader = csv.DictReader(lines)
+    if isinstance(source, io.TextIOBase):
+        text, where = source.read(), str(getattr(source, "name", "<stream>"))
+    else:
+        text, where = Path(source).read_text(), str(source)
+    numbered = [(i, ln) for i, ln in enumerate(text.splitlines(), 1) if ln.strip() and not ln.lstrip().startswith("#")]
+    reader = csv.DictReader([ln for _, ln in numbered])
     missing = [c for c in _REQUIRED if c not in (reader.fieldnames or [])]
     if missing:
         raise ValueError(
-            f"Layer-timings table lacks columns {missing}; got {reader.fieldnames}. HINT: the header must be like"
-            " `model,num_layers,fwd_ms_per_layer,bwd_ms_per_layer,lm_head_fwd_ms,lm_head_bwd_ms,comm_ms_per_hop`."
+            f"Layer-timings table {where} lacks columns {missing}; got {reader.fieldnames}. HINT: the header must be"
+            " like `model,num_layers,fwd_ms_per_layer,bwd_ms_per_layer,lm_head_fwd_ms,lm_head_bwd_ms,comm_ms_per_hop`."
         )
-    out = []
+    out: list[ModelTimings] = []
+    first_line: dict[str, int] = {}
     for row in reader:
-        try:
-            comm = row.get("comm_ms_per_hop")
-            out.append(ModelTimings(
-                model=row["model"].strip(),
-                num_layers=int(row["num_layers"]),
-                forward_s_per_layer=float(row["fwd_ms_per_layer"]) / 1e3,
-                backward_s_per_layer=float(row["bwd_ms_per_layer"]) / 1e3,
-                lm_head_forward_s=float(row["lm_head_fwd_ms"]) / 1e3,
-                lm_head_backward_s=float(row["lm_head_bwd_ms"]) / 1e3,
-                comm_s_per_hop=float(comm) / 1e3 if comm not in (None, "") else None,
-            ))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"Bad value in layer-timings row {row!r}: {e}.") from None
+        line = numbered[reader.line_num - 1][0] if reader.line_num - 1 < len(numbered) else reader.line_num
+        model = (row.get("model") or "").strip()
+        at = f"{where}, line {line}" + (f" (model {model!r})" if model else "")
+        if not model:
+            raise ValueError(f"Empty `model` in {at}. HINT: every row needs a model name.")
+        if model in first_line:
+            raise ValueError(
+                f"Duplicate model {model!r} in {where}, lines {first_line[model]} and {line}."
+                " HINT: give each row its own `model` name."
+            )
+        first_line[model] = line
+        num_layers = _parse_num_layers(row.get("num_layers"), at)
+        ms = {c: _parse_ms(row.get(c), at, c) for c in _REQUIRED[2:]}
+        comm = row.get("comm_ms_per_hop")
+        comm_ms = None if comm is None or not comm.strip() else _parse_ms(comm, at, "comm_ms_per_hop")
+        if num_layers * (ms["fwd_ms_per_layer"] + ms["bwd_ms_per_layer"]) + ms["lm_head_fwd_ms"] \
+                + ms["lm_head_bwd_ms"] <= 0:
+            raise ValueError(
+                f"No compute time in {at}: every time column is 0. HINT: give per-layer or LM head times in ms."
+            )
+        out.append(ModelTimings(
+            model=model,
+            num_layers=num_layers,
+            forward_s_per_layer=ms["fwd_ms_per_layer"] / 1e3,
+            backward_s_per_layer=ms["bwd_ms_per_layer"] / 1e3,
+            lm_head_forward_s=ms["lm_head_fwd_ms"] / 1e3,
+            lm_head_backward_s=ms["lm_head_bwd_ms"] / 1e3,
+            comm_s_per_hop=None if comm_ms is None else comm_ms / 1e3,
+        ))
     if not out:
-        raise ValueError("The layer-timings table has no rows.")
+        raise ValueError(f"The layer-timings table {where} has no rows. HINT: add one row per model under the header.")
     return out
+
+
+def _missing(value: str | None, at: str, column: str) -> None:
+    if value is None:
+        raise ValueError(
+            f"Column `{column}` in {at} is missing: the row has fewer values than the header."
+            " HINT: one value per column."
+        )
+
+
+def _parse_num_layers(value: str | None, at: str) -> int:
+    _missing(value, at, "num_layers")
+    text = (value or "").strip()
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(
+            f"Column `num_layers` in {at} must be an integer >= 1, got {value!r}."
+            " HINT: the number of decoder layers, e.g. 28."
+        ) from None
+    if n < 1:
+        raise ValueError(
+            f"Column `num_layers` in {at} must be >= 1, got {n}. HINT: the number of decoder layers, e.g. 28."
+        )
+    return n
+
+
+def _parse_ms(value: str | None, at: str, column: str) -> float:
+    _missing(value, at, column)
+    text = (value or "").strip()
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(
+            f"Column `{column}` in {at} must be a number of milliseconds, got {value!r}."
+            " HINT: a finite number >= 0, e.g. 7.43."
+        ) from None
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(
+            f"Column `{column}` in {at} must be a finite number >= 0, got {text!r}. HINT: milliseconds, e.g. 7.43."
+        )
+    return v
 
 
 def layer_profiles(t: ModelTimings) -> list[LayerProfile]:
