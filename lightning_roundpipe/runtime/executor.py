@@ -289,17 +289,27 @@ class Executor:
         run.peak_resident_bytes[d] = max(run.peak_resident_bytes[d], sum(r.nbytes for r in resident.values()))
         self._record(run, worker, "H2D", action, t, stage.nbytes)
 
-    def _forward(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
+    def _begin(self, action: Action, run: PhaseRun, resident: dict, worker: DeviceWorker, pop: bool) -> tuple:
+        """Common start of a compute action: wait for its dependencies and its weights, bring its
+        input to the device. Returns ``(spec, microbatch, stage, carry, start_s)``."""
         spec = run.plan.stages[action.stage_index]
         m = action.microbatch_index
-        state = run.state
         self._wait_deps(action, run)
         stage = resident[action.stage_index]
         self.store.ensure_ready(stage, worker)
-        a, b = spec.layers.start, spec.layers.stop
-        carry = state.acts[(a, m)] if a in state.keep else state.acts.pop((a, m))
+        key = (spec.layers.start, m)
+        carry = run.state.acts.pop(key) if pop else run.state.acts[key]
         t = run.now()
         carry, h2d = transfer.to_device(carry, worker)
+        if h2d:
+            self._record(run, worker, "H2D", action, t, h2d)
+        return spec, m, stage, carry, t
+
+    def _forward(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
+        state = run.state
+        a = run.plan.stages[action.stage_index].layers.start
+        spec, m, stage, carry, t = self._begin(action, run, resident, worker, pop=a not in state.keep)
+        b = spec.layers.stop
 
         def save(li: int, c: Any) -> None:
             state.acts[(li, m)] = transfer.to_host(c, worker)[0]
@@ -317,16 +327,10 @@ class Executor:
     def _backward(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
         """``B`` (recompute from the saved input, then backward with the incoming gradient) and
         ``X`` (the fused tail: forward, loss and backward seeded with ``loss_seed``)."""
-        spec = run.plan.stages[action.stage_index]
-        m = action.microbatch_index
         state = run.state
-        self._wait_deps(action, run)
-        stage = resident[action.stage_index]
-        self.store.ensure_ready(stage, worker)
+        spec, m, stage, carry, t = self._begin(action, run, resident, worker, pop=True)
         a, b = spec.layers.start, spec.layers.stop
         last = b == len(self.seq.layers)
-        t = run.now()
-        carry, _ = transfer.to_device(state.acts.pop((a, m)), worker)
         leaves: list[torch.Tensor] = []
         if a > 0:
             carry, leaves = _grad_leaves(carry, self.seq.grad_keys)
