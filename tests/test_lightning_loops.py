@@ -33,7 +33,7 @@ def test_metrics_logged_with_units(tmp_path):
     rows = list(csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv"))))
     keys = set(rows[0])
     for d in range(3):
-        for name in ("bubble(%)", "compute(s)", "idle(s)", "h2d(bytes)", "d2h(bytes)", "h2d(GiB/s)"):
+        for name in ("bubble(%)", "compute(s)", "idle(s)", "h2d(bytes)", "d2h(bytes)", "h2d(GiB/s)", "peak_weights(bytes)"):
             assert f"roundpipe/device{d}/{name}" in keys
     step_rows = [r for r in rows if r.get("roundpipe/device0/bubble(%)")]
     assert len(step_rows) == 4
@@ -41,6 +41,7 @@ def test_metrics_logged_with_units(tmp_path):
         for d in range(3):
             assert 0.0 <= float(r[f"roundpipe/device{d}/bubble(%)"]) <= 100.0
             assert float(r[f"roundpipe/device{d}/compute(s)"]) > 0
+            assert float(r[f"roundpipe/device{d}/peak_weights(bytes)"]) > 0
         # every device uploads weights and the trainable stages send gradients back
         assert sum(float(r[f"roundpipe/device{d}/h2d(bytes)"]) for d in range(3)) > 0
         assert sum(float(r[f"roundpipe/device{d}/d2h(bytes)"]) for d in range(3)) > 0

@@ -18,8 +18,8 @@ def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe") -> di
 
     Per device ``d``: ``compute(s)``, ``idle(s)`` (step wall time minus compute), ``bubble(%)``
     (idle / wall), ``h2d(bytes)``, ``d2h(bytes)``, ``h2d(GiB/s)`` and ``d2h(GiB/s)`` (bytes / seconds
-    spent in those transfers; 0 when nothing moved). Step-wide: ``step(s)`` and ``bubble(%)`` (mean
-    over devices).
+    spent in those transfers; 0 when nothing moved), ``peak_weights(bytes)`` (most weight bytes
+    resident at once, when recorded). Step-wide: ``step(s)`` and ``bubble(%)`` (mean over devices).
 
     Returns:
         ``{}`` when ``timelines`` is empty.
@@ -44,5 +44,8 @@ def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe") -> di
             secs = sum(t.transfer_s(d, kind) for t in timelines)
             out[f"{key}/{kind.lower()}(bytes)"] = float(nbytes)
             out[f"{key}/{kind.lower()}(GiB/s)"] = nbytes / GIB / secs if secs > 0 else 0.0
+        peaks = [t.peak_resident_bytes[d] for t in timelines if t.peak_resident_bytes is not None]
+        if peaks:
+            out[f"{key}/peak_weights(bytes)"] = float(max(peaks))
     out[f"{prefix}/bubble(%)"] = sum(bubbles) / n
     return out

@@ -52,11 +52,14 @@ class Timeline:
         num_devices: number of devices.
         intervals: the spans, any order.
         wall_s: the step's wall time, seconds; defaults to the last interval's end.
+        peak_resident_bytes: per device, the most weight bytes resident at once (``None`` if
+            not recorded).
     """
 
     num_devices: int
     intervals: list[Interval] = field(default_factory=list)
     wall_s: float | None = None
+    peak_resident_bytes: list[int] | None = None
 
     def span_s(self) -> float:
         """Wall time of the step, seconds."""

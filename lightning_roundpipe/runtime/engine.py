@@ -313,11 +313,6 @@ class RoundPipeEngine:
             self.set_partition(new)
         return new
 
-    @property
-    def layer_profiler(self) -> LayerProfiler | None:
-        """The profiler of the automatic partition (``None`` when it is off)."""
-        return self.executor.profiler
-
     # ------------------------------------------------------------------ metrics
     def pop_timelines(self) -> list[Timeline]:
         """Timelines of the phases run since the last call (forward and backward phases)."""

@@ -219,7 +219,7 @@ class Executor:
         if run.error is not None:
             raise _with_context(run.error, run.error_context) from run.error
         wall = run.now()
-        return Timeline(len(self.workers), run.intervals, wall_s=wall)
+        return Timeline(len(self.workers), run.intervals, wall_s=wall, peak_resident_bytes=run.peak_resident_bytes)
 
     def _device_job(self, worker: DeviceWorker, actions: tuple[Action, ...], run: PhaseRun) -> None:
         resident: dict[int, ResidentStage] = {}

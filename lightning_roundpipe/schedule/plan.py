@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Sequence
+from typing import Literal, Sequence
 
 from lightning_roundpipe.schedule.ir import Action, ActionKind
 
@@ -323,7 +323,3 @@ def walk_in_order(plan: ExecutionPlan, duration_s) -> list[tuple[int, Action, fl
             raise PlanValidationError("deadlock: no device can make progress; " + "; ".join(blocked))
     return out
 
-
-def iter_compute(actions: Iterable[Action]) -> Iterable[Action]:
-    """The compute actions (F, X, B, W) of an action list, in order."""
-    return (a for a in actions if a.kind.is_compute)
