@@ -373,7 +373,7 @@ class Executor:
         if spec.kind == "backward":
             bwd = run.plan.backward_stages
             pos = bwd.index(spec)
-            if pos > 0 and bwd[pos - 1].stage_index in {a.stage_index for acts in run.plan.actions for a in acts}:
+            if pos > 0 and (bwd[pos - 1].stage_index, 0) in run.done:  # the previous stage is in this phase
                 run.wait(run.committed[bwd[pos - 1].stage_index])
             t = run.now()
             moved = self.store.commit_grads(stage, worker, run.state.grad_sink)
