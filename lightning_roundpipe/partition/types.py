@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_roundpipe.schedule.plan import tiling_gap
+
 
 @dataclass(frozen=True)
 class PartitionPlan:
@@ -33,14 +35,13 @@ class PartitionPlan:
 
 
 def _check_tiling(ranges: tuple[range, ...], num_layers: int, name: str) -> None:
-    expect = 0
-    for r in ranges:
-        if not isinstance(r, range) or r.step != 1 or len(r) == 0 or r.start != expect:
-            raise ValueError(
-                f"`{name}` must tile layers 0..{num_layers - 1} with consecutive non-empty ranges; got {list(ranges)!r}"
-                f" (expected a range starting at layer {expect}). HINT: forward stages ascend, backward stages"
-                " are listed tail first, e.g. forward=[range(0, 3), range(3, 5)], backward=[range(4, 5), range(0, 4)]."
-            )
-        expect = r.stop
-    if expect != num_layers:
-        raise ValueError(f"`{name}` covers layers 0..{expect - 1} but the model has {num_layers} layers.")
+    gap = tiling_gap(ranges)
+    if gap is not None:
+        raise ValueError(
+            f"`{name}` must tile layers 0..{num_layers - 1} with consecutive non-empty ranges; got {list(ranges)!r}"
+            f" (expected a range starting at layer {gap[1]}). HINT: forward stages ascend, backward stages"
+            " are listed tail first, e.g. forward=[range(0, 3), range(3, 5)], backward=[range(4, 5), range(0, 4)]."
+        )
+    covered = ranges[-1].stop if ranges else 0
+    if covered != num_layers:
+        raise ValueError(f"`{name}` covers layers 0..{covered - 1} but the model has {num_layers} layers.")

@@ -31,7 +31,7 @@ from collections import defaultdict
 from typing import Callable, Sequence
 
 from lightning_roundpipe.schedule.ir import Action, ActionKind
-from lightning_roundpipe.schedule.plan import ExecutionPlan, StageSpec
+from lightning_roundpipe.schedule.plan import ExecutionPlan, StageSpec, tiling_gap
 
 # One planned op of a bound schedule: (kind "F" | "B" | "W", virtual stage, microbatch).
 _Op = tuple[str, int, int]
@@ -69,15 +69,13 @@ def bound_stages(stage_layers: Sequence[range]) -> tuple[StageSpec, ...]:
     ranges = tuple(stage_layers)
     if not ranges:
         raise ValueError("`stage_layers` is empty: a bound schedule needs at least one virtual stage.")
-    expect = 0
-    for r in ranges:
-        if not isinstance(r, range) or r.step != 1 or len(r) == 0 or r.start != expect:
-            raise ValueError(
-                f"`stage_layers` must be consecutive non-empty ascending ranges starting at layer 0, got"
-                f" {list(ranges)!r} (expected a range starting at {expect}). HINT: use"
-                " `balanced_stage_layers(costs, num_stages)`."
-            )
-        expect = r.stop
+    gap = tiling_gap(ranges)
+    if gap is not None:
+        raise ValueError(
+            f"`stage_layers` must be consecutive non-empty ascending ranges starting at layer 0, got"
+            f" {list(ranges)!r} (expected a range starting at {gap[1]}). HINT: use"
+            " `balanced_stage_layers(costs, num_stages)`."
+        )
     n = len(ranges)
     fwd = [StageSpec(v, "forward", r) for v, r in enumerate(ranges)]
     bwd = [StageSpec(n + j, "backward", ranges[n - 1 - j]) for j in range(n)]

@@ -274,15 +274,27 @@ class ExecutionPlan:
         return self.format_grid()
 
 
-def _tiling_problems(ranges: Sequence[range], what: str) -> list[str]:
-    out = []
+def tiling_gap(ranges: Sequence[range]) -> tuple[int, int] | None:
+    """Where ``ranges`` stop tiling consecutive layers from layer 0.
+
+    Returns:
+        ``(position, expected_start)`` of the first entry that is not a non-empty step-1 ``range``
+        starting where the previous one stopped; ``None`` when they tile ``0..ranges[-1].stop - 1``.
+    """
     expect = 0
-    for r in ranges:
-        if r.start != expect:
-            out.append(f"{what} stages do not tile the layers: expected a stage starting at layer {expect}, got {r.start}..{r.stop - 1}")
-            break
+    for i, r in enumerate(ranges):
+        if not isinstance(r, range) or r.step != 1 or len(r) == 0 or r.start != expect:
+            return i, expect
         expect = r.stop
-    return out
+    return None
+
+
+def _tiling_problems(ranges: Sequence[range], what: str) -> list[str]:
+    gap = tiling_gap(ranges)
+    if gap is None:
+        return []
+    r = ranges[gap[0]]
+    return [f"{what} stages do not tile the layers: expected a stage starting at layer {gap[1]}, got {r.start}..{r.stop - 1}"]
 
 
 def walk_in_order(plan: ExecutionPlan, duration_s) -> list[tuple[int, Action, float, float]]:
