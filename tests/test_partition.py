@@ -231,3 +231,80 @@ def test_plan_feeds_the_round_robin_schedule(num_layers, devices):
 def test_schedule_ranges_rejects_foreign_plans():
     with pytest.raises(ValueError, match="fused tail"):
         schedule_ranges(PartitionPlan((range(0, 2),), (range(1, 2), range(0, 1))))
+
+
+# ------------------------------------------------------------------ the paper method on the paper's models
+#: Layers per stage of ``auto_partition(layer_profiles(t), 8, method="paper")`` for the models of
+#: paper_layer_timings_4090.csv (layer sequence: embedding, decoder layers, LM head): forward stages
+#: without the tail, and backward stages tail first. Copied from the simulator's former private
+#: partitioner (``simulate/_partition.py: roundpipe_partition``), which the paper method replaced
+#: after matching it for every model on 1..8 devices.
+PAPER_D8_LAYER_COUNTS = {
+    "Qwen3-1.7B": ((8, 7, 7, 7), (1, 3, 3, 3, 3, 3, 3, 3, 3, 2, 3)),
+    "Llama3.1-8B": ((6, 5, 5, 5, 6, 6), (1,) + (2,) * 15 + (3,)),
+    "GPT-OSS-20B": ((7, 6, 6, 6), (1,) * 24 + (2,)),
+    "Qwen3-32B": ((5,) + (4,) * 15, (1,) * 64 + (2,)),
+    "Qwen3-235B-A22B-LoRA": ((3,) + (2,) * 46, (1,) * 94 + (2,)),
+}
+
+
+def _paper_models():
+    from lightning_roundpipe.simulate import paper_data_path
+    from lightning_roundpipe.simulate.table import layer_profiles, read_layer_timings
+
+    return [(t.model, layer_profiles(t)) for t in read_layer_timings(paper_data_path("paper_layer_timings_4090.csv"))]
+
+
+def test_paper_method_on_paper_layer_timings():
+    models = _paper_models()
+    assert [name for name, _ in models] == list(PAPER_D8_LAYER_COUNTS)
+    for name, profiles in models:
+        for num_devices in range(1, 9):
+            plan = auto_partition(profiles, num_devices, method="paper")
+            check_plan(plan, profiles, num_devices, None)
+            fwd, bwd = schedule_ranges(plan)
+            _assert_even(profiles, fwd, bwd)
+            if num_devices == 8:
+                assert (tuple(map(len, fwd)), tuple(map(len, bwd))) == PAPER_D8_LAYER_COUNTS[name], name
+
+
+def _assert_even(profiles, fwd, bwd) -> None:
+    """Re-cut stages: per direction, max stage cost - min stage cost <= the heaviest layer's cost."""
+    tail_start = bwd[0].start
+    for ranges, cost in ((fwd, lambda p: p.forward_s), (bwd[1:], lambda p: p.recompute_backward_s)):
+        if not ranges:
+            continue
+        stage_costs = [sum(cost(profiles[i]) for i in r) for r in ranges]
+        heaviest = max(cost(profiles[i]) for i in range(tail_start))
+        assert max(stage_costs) - min(stage_costs) <= heaviest * (1 + 1e-9), (stage_costs, heaviest)
+
+
+@pytest.mark.parametrize("num_layers", LAYER_COUNTS)
+def test_property_paper_method_stages_are_as_even_as_possible(num_layers):
+    for profiles in [random_profiles(num_layers, seed=seed) for seed in range(3)] + [uniform_profiles(num_layers)]:
+        for num_devices in range(1, 9):
+            fwd, bwd = schedule_ranges(auto_partition(profiles, num_devices, method="paper"))
+            _assert_even(profiles, fwd, bwd)
+
+
+def test_paper_method_keeps_the_packed_cut_when_the_even_one_breaks_memory():
+    # 8 equal layers (forward 1 s, recompute + backward 3 s), frozen (no gradients), 4 devices:
+    # W = 3, a one-layer tail, 7 one-layer backward stages and 3 forward stages over layers 0..6.
+    # The even re-cut is 2, 2, 3 layers; packing from the end gives 1, 3, 3.
+    profiles = [
+        LayerProfile(forward_s=1.0, backward_s=2.0, param_bytes=10 if i == 0 else 1, activation_bytes=0,
+                     trainable_param_bytes=0, name=f"l{i}")
+        for i in range(8)
+    ]
+    free_fwd, free_bwd = schedule_ranges(auto_partition(profiles, 4, method="paper"))
+    assert free_fwd == (range(0, 2), range(2, 4), range(4, 7))
+    # a budget of 10 bytes fits layer 0 alone but not layers 0-1 (11 bytes): the packed cut is kept
+    plan = auto_partition(profiles, 4, stage_memory_bytes=10, method="paper")
+    check_plan(plan, profiles, 4, 10)
+    fwd, bwd = schedule_ranges(plan)
+    assert fwd == (range(0, 1), range(1, 4), range(4, 7))
+    assert bwd == free_bwd == (range(7, 8),) + tuple(range(i, i + 1) for i in range(6, -1, -1))
+    # a budget the even cut fits changes nothing
+    roomy = auto_partition(profiles, 4, stage_memory_bytes=11, method="paper")
+    assert schedule_ranges(roomy) == (free_fwd, free_bwd)
+

@@ -24,6 +24,7 @@ from lightning_roundpipe.adapters import is_supported, make_layer_sequence
 from lightning_roundpipe.integration.precision import RoundPipePrecision
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.engine import RoundPipeEngine
+from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,13 @@ def _as_ranges(name: str, stages: StageRanges | None) -> tuple[range, ...] | Non
     return tuple(out)
 
 
+def _check_positive(name: str, value: Any, integer: bool, hint: str) -> None:
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool) or not value > 0:
+        kind = "a positive int" if integer else "a positive number"
+        raise ValueError(f"`{name}` must be {kind}, got {value!r}. HINT: {hint}.")
+
+
 class RoundPipeStrategy(SingleDeviceStrategy):
     """RoundPipe pipeline training (arXiv 2604.27085) for Lightning.
 
@@ -68,11 +76,24 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         forward_stages: optional explicit forward stage boundaries: ascending ``range`` s or
             ``(start, stop)`` pairs of layer indices of the layer sequence (overrides ``partition``).
         backward_stages: optional explicit backward stage boundaries, tail first.
+        chunk_bytes: largest weight upload chunk, bytes (default 64 MiB); activation uploads go
+            between chunks (paper section 3.3).
+        microbatches_per_round: dispatch the microbatches in rounds of at most this many (the
+            paper's artifact uses rounds of ``devices``); ``None`` (default): one round, every stage
+            loaded once per step.
+        cpu_link_bytes_per_s: CPU virtual devices only: model a host link of this many bytes/s per
+            direction (every copy takes ``bytes / rate``), so a CPU run reproduces a PCIe-bound
+            regime; ``None`` (default): copies run at memory speed.
+        debug_copy_delay_s: CPU virtual devices only, for debugging the runtime: every copy lands
+            this many seconds late and its destination holds NaN meanwhile, so a missing
+            dependency shows up as a wrong result (default 0: off).
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning strategies;
             ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``.
 
     Raises:
-        ValueError: for ``num_microbatches < 1`` or a precision other than ``32-true``/``bf16-mixed``.
+        ValueError: for ``num_microbatches < 1``, a non-positive ``chunk_bytes``,
+            ``microbatches_per_round`` or ``cpu_link_bytes_per_s``, or a precision other than
+            ``32-true``/``bf16-mixed``; at setup, for an accelerator other than CPU and CUDA.
         TypeError: for ill-typed arguments.
     """
 
@@ -87,6 +108,10 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         fused_loss: bool = True,
         forward_stages: StageRanges | None = None,
         backward_stages: StageRanges | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        microbatches_per_round: int | None = None,
+        cpu_link_bytes_per_s: float | None = None,
+        debug_copy_delay_s: float = 0.0,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: Any = None,
@@ -104,6 +129,13 @@ class RoundPipeStrategy(SingleDeviceStrategy):
                              " HINT: pass explicit stages with `forward_stages=` and `backward_stages=`.")
         if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 2:
             raise ValueError(f"`profile_steps` must be an int >= 2 (the first step is warm-up), got {profile_steps!r}.")
+        _check_positive("chunk_bytes", chunk_bytes, integer=True, hint="e.g. 64 * 2**20 (64 MiB)")
+        if microbatches_per_round is not None:
+            _check_positive("microbatches_per_round", microbatches_per_round, integer=True, hint="e.g. the number of devices")
+        if cpu_link_bytes_per_s is not None:
+            _check_positive("cpu_link_bytes_per_s", cpu_link_bytes_per_s, integer=False, hint="25e9 models PCIe 4.0 x16 one way")
+        if not isinstance(debug_copy_delay_s, (int, float)) or isinstance(debug_copy_delay_s, bool) or debug_copy_delay_s < 0:
+            raise ValueError(f"`debug_copy_delay_s` must be a number of seconds >= 0, got {debug_copy_delay_s!r}.")
         if (forward_stages is None) != (backward_stages is None):
             raise ValueError("Pass both `forward_stages` and `backward_stages`, or neither (default partition).")
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
@@ -115,6 +147,10 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         self.partition_mode = "explicit" if fwd is not None else partition
         self.profile_steps = profile_steps
         self.fused_loss = bool(fused_loss)
+        self.chunk_bytes = chunk_bytes
+        self.microbatches_per_round = microbatches_per_round
+        self.cpu_link_bytes_per_s = cpu_link_bytes_per_s
+        self.debug_copy_delay_s = float(debug_copy_delay_s)
         self.engine: RoundPipeEngine | None = None
         self._callback = None
 
@@ -170,9 +206,17 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         stage_memory = None
         if devices[0].type == "cuda":
             stage_memory = torch.cuda.get_device_properties(devices[0]).total_memory // 2  # double buffering
+        if devices[0].type != "cpu" and (self.cpu_link_bytes_per_s is not None or self.debug_copy_delay_s):
+            raise ValueError("`cpu_link_bytes_per_s` and `debug_copy_delay_s` apply to CPU virtual devices only"
+                             f" (`accelerator='cpu'`), got devices {devices}. HINT: drop them on a GPU machine.")
+        fitting = trainer.state.fn == TrainerFn.FITTING
         self.engine = RoundPipeEngine(seq, devices, m, self.partition, precision.compute_dtype, precision.autocast_dtype,
                                       auto_partition_after_steps=self.profile_steps if auto else None,
-                                      stage_memory_bytes=stage_memory, fused_loss=self.fused_loss)
+                                      stage_memory_bytes=stage_memory, fused_loss=self.fused_loss,
+                                      chunk_bytes=self.chunk_bytes, microbatches_per_round=self.microbatches_per_round,
+                                      cpu_link_bytes_per_s=self.cpu_link_bytes_per_s,
+                                      debug_copy_delay_s=self.debug_copy_delay_s,
+                                      profile_steps=self.profile_steps if fitting else None)
         self.engine.install()
         log.info("RoundPipe: pipelining `%s` (%s, %d layers) on %d device(s), %d microbatches",
                  type(seq.target).__name__, seq.family, len(seq), len(devices), m)

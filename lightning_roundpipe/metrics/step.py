@@ -13,13 +13,17 @@ from lightning_roundpipe.metrics.timeline import Timeline
 GIB = float(2**30)
 
 
-def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe") -> dict[str, float]:
-    """Metrics of one step made of ``timelines`` (its forward and backward phases, run one after another).
+def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe", *, step_s: float | None = None,
+                 optimizer_s: float | None = None, predicted_step_s: float | None = None) -> dict[str, float]:
+    """Metrics of one training step made of ``timelines`` (its programs, run one after another).
 
     Per device ``d``: ``compute(s)``, ``idle(s)`` (step wall time minus compute), ``bubble(%)``
-    (idle / wall), ``h2d(bytes)``, ``d2h(bytes)``, ``h2d(GiB/s)`` and ``d2h(GiB/s)`` (bytes / seconds
-    spent in those transfers; 0 when nothing moved), ``peak_weights(bytes)`` (most weight bytes
-    resident at once, when recorded). Step-wide: ``step(s)`` and ``bubble(%)`` (mean over devices).
+    (idle / step wall time, the step including the optimizer), ``h2d(bytes)``, ``d2h(bytes)``,
+    ``h2d(GiB/s)`` and ``d2h(GiB/s)`` (bytes / seconds spent in those transfers; 0 when nothing
+    moved), ``peak_weights(bytes)`` (most weight bytes resident at once, when recorded). Step-wide:
+    ``step(s)`` (``step_s`` when given: the whole step, phases, the gaps between them and the
+    optimizer; else the programs' wall times summed), ``pipeline(s)`` (the programs' wall times),
+    ``optimizer(s)`` and ``predicted_step(s)`` when given, and ``bubble(%)`` (mean over devices).
 
     Returns:
         ``{}`` when ``timelines`` is empty.
@@ -27,8 +31,13 @@ def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe") -> di
     if not timelines:
         return {}
     n = max(t.num_devices for t in timelines)
-    wall = sum(t.span_s() for t in timelines)
-    out: dict[str, float] = {f"{prefix}/step(s)": wall}
+    pipeline = sum(t.span_s() for t in timelines)
+    wall = step_s if step_s is not None and step_s > 0 else pipeline
+    out: dict[str, float] = {f"{prefix}/step(s)": wall, f"{prefix}/pipeline(s)": pipeline}
+    if optimizer_s is not None:
+        out[f"{prefix}/optimizer(s)"] = optimizer_s
+    if predicted_step_s is not None:
+        out[f"{prefix}/predicted_step(s)"] = predicted_step_s
     bubbles = []
     for d in range(n):
         compute = sum(t.compute_s(d) for t in timelines)

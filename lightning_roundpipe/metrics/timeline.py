@@ -6,10 +6,12 @@ are computed the same way for a real step and a simulated one.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-IntervalKind = Literal["F", "X", "B", "W", "H2D", "D2H", "wait"]
+IntervalKind = Literal["F", "X", "R", "B", "W", "H2D", "D2H", "wait"]
+COMPUTE_KINDS = frozenset({"F", "X", "R", "B", "W"})
 
 
 @dataclass(frozen=True)
@@ -18,13 +20,17 @@ class Interval:
 
     Attributes:
         device_index: the device.
-        kind: ``F``/``X``/``B``/``W`` for compute, ``H2D`` for uploads (weights or activations),
-            ``D2H`` for downloads (activations or gradients).
+        kind: ``F``/``X``/``R``/``B``/``W`` for compute (``R``: a backward stage's recompute),
+            ``H2D`` for uploads (weights or activations), ``D2H`` for downloads (activations or
+            gradients).
         stage_index: the stage the span belongs to (``-1`` if none).
         microbatch_index: the microbatch (``None`` for weight transfers).
         start_s: start, seconds since the timeline's origin.
         end_s: end, seconds since the timeline's origin (``>= start_s``).
         nbytes: bytes moved, for transfers (0 for compute).
+        stream: the stream of the stream program the span ran on (``weights``, ``h2d``,
+            ``compute``, ``d2h``), ``None`` if unknown.
+        label: the op's string form (``"3F1"``, ``"0LOAD.c2"``), ``""`` if unknown.
     """
 
     device_index: int
@@ -34,6 +40,8 @@ class Interval:
     start_s: float
     end_s: float
     nbytes: int = 0
+    stream: str | None = None
+    label: str = ""
 
     @property
     def duration_s(self) -> float:
@@ -41,7 +49,7 @@ class Interval:
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in ("F", "X", "B", "W")
+        return self.kind in COMPUTE_KINDS
 
 
 @dataclass
@@ -68,7 +76,7 @@ class Timeline:
         return max((i.end_s for i in self.intervals), default=0.0)
 
     def compute_s(self, device_index: int) -> float:
-        """Seconds ``device_index`` spent computing (F/X/B/W)."""
+        """Seconds ``device_index`` spent computing (F/X/R/B/W)."""
         return _union_length([(i.start_s, i.end_s) for i in self.intervals if i.device_index == device_index and i.is_compute])
 
     def idle_s(self, device_index: int) -> float:
@@ -96,8 +104,7 @@ class Timeline:
 
     def shifted(self, offset_s: float) -> "Timeline":
         """A copy with every interval moved by ``offset_s`` seconds."""
-        ivs = [Interval(i.device_index, i.kind, i.stage_index, i.microbatch_index, i.start_s + offset_s, i.end_s + offset_s, i.nbytes)
-               for i in self.intervals]
+        ivs = [dataclasses.replace(i, start_s=i.start_s + offset_s, end_s=i.end_s + offset_s) for i in self.intervals]
         return Timeline(self.num_devices, ivs, None if self.wall_s is None else self.wall_s)
 
 

@@ -31,6 +31,21 @@ Memory of a stage for one microbatch (bytes), with ``out(i)`` = the input of lay
 
 Both are monotone: a stage that grows never needs less, so greedy packing is count-optimal.
 
+Methods. ``"optimal"`` is the exact minimum of the objective (every contiguous stage sum as a
+candidate ``W``, a min-count dynamic program per candidate, any tail length). ``"paper"`` is the
+paper's search (section 4.4): candidate ``W`` from the heaviest single layer cost up to
+:data:`PAPER_UPPER_THRESHOLD` times it, the tail grown from the last layer while it fits ``W``, the
+fewest forward and backward stages within ``W`` (greedy packing), and then each direction **re-cut
+to the most even split with the same stage count** (:func:`balanced_stage_layers`: the smallest
+largest stage cost, then the smallest sum of squares). The re-cut matters because greedy packing
+fills every stage to ``W`` and leaves the remainder in the first stage, which is then light and the
+others heavy: the round robin's fill (and drain) takes about ``D - 1`` stage costs, so uneven stages
+lengthen it while the even split keeps every stage near the mean. A candidate is scored by its
+re-cut stages, ``max(S, D) x`` their largest cost (ties: fewer stages, then the smaller ``W``). With
+a memory budget, a direction whose even re-cut puts a stage over the budget keeps its packed cut
+(which fits by construction). Without one, ``"paper"`` gives the partition of the paper's bubble
+simulation (:func:`lightning_roundpipe.simulate.table.build_schedule_plan`).
+
 Result. A :class:`PartitionPlan` whose ``backward_stages[0]`` is the fused tail and whose
 ``forward_stages[-1]`` is **the same range** (the tail is the last stage to run forward), so that
 both directions tile ``0..L-1`` exactly once; :func:`schedule_ranges` gives the ranges for
@@ -47,6 +62,7 @@ import numpy as np
 
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
+from lightning_roundpipe.schedule.baselines import balanced_stage_layers
 
 #: Valid values of ``auto_partition(method=...)``.
 METHODS = ("optimal", "paper")
@@ -167,9 +183,11 @@ def auto_partition(
             stage is prefetched); ``None`` for no limit.
         method: ``"optimal"``, the exact minimum (every contiguous stage sum as a candidate ``W``,
             a min-count dynamic program per candidate, any tail length); or ``"paper"``, the paper's
-            search (candidate ``W`` between the heaviest layer cost and 1.1x it, tail grown from the
-            last layer while it fits, greedy packing from the end, objective ``max(S, D) * W``).
-            ``"optimal"`` is never worse than ``"paper"``.
+            search (paper section 4.4: candidate ``W`` between the heaviest layer cost and 1.1x it,
+            tail grown from the last layer while it fits, the fewest stages by greedy packing, then
+            each direction re-cut to the most even split with that stage count unless the re-cut
+            breaks the memory budget; objective ``max(S, D) x`` the largest re-cut stage cost). See
+            the module docstring. ``"optimal"`` is never worse than ``"paper"``.
         saved_activation_bytes: per layer, bytes autograd keeps inside it in a backward stage
             (``ModelledProfiles.saved_activation_bytes``); defaults to each layer's ``activation_bytes``.
 
@@ -205,18 +223,18 @@ def auto_partition(
     L, D = tab.L, num_devices
     heaviest = float(tab.b.max())
     if method == "paper":
-        cands = _contiguous_sums(tab, lo=heaviest, hi=heaviest * PAPER_UPPER_THRESHOLD)
+        fwd, bwd, t = _paper_search(tab, D, budget, heaviest)
     else:
         cands = _contiguous_sums(tab, lo=heaviest, hi=math.inf)
-    n_stages, tail_start = _stage_counts(tab, cands, budget, maximal_tail=(method == "paper"))
-    obj = np.maximum(n_stages, D) * cands
-    best = float(obj.min())
-    # ties: fewer stages (fewer uploads), then the smaller budget
-    tie = np.flatnonzero(obj <= best * (1 + _REL_TOL))
-    k = int(tie[np.lexsort((cands[tie], n_stages[tie]))[0]])
-    W, t = float(cands[k]), int(tail_start[k])
-    fwd = _pack(tab, 0, t, W, budget, backward=False)
-    bwd = _pack(tab, 0, t, W, budget, backward=True)
+        n_stages, tail_start, _ = _stage_counts(tab, cands, budget, maximal_tail=False)
+        obj = np.maximum(n_stages, D) * cands
+        best = float(obj.min())
+        # ties: fewer stages (fewer uploads), then the smaller budget
+        tie = np.flatnonzero(obj <= best * (1 + _REL_TOL))
+        k = int(tie[np.lexsort((cands[tie], n_stages[tie]))[0]])
+        W, t = float(cands[k]), int(tail_start[k])
+        fwd = _pack(tab, 0, t, W, budget, backward=False)
+        bwd = _pack(tab, 0, t, W, budget, backward=True)
     tail = range(t, L)
     largest = max([tab.cost(r.start, r.stop, False) for r in fwd] + [tab.cost(r.start, r.stop, True) for r in bwd + [tail]])
     S = len(fwd) + len(bwd) + 1
@@ -284,23 +302,31 @@ def _min_counts(tab: _Tables, W: np.ndarray, budget: float, backward: bool) -> n
     return g
 
 
-def _stage_counts(tab: _Tables, W: np.ndarray, budget: float, maximal_tail: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Stages ``S`` per candidate ``W`` and the tail start used: the paper's maximal tail (grown from
-    the last layer while it fits), or the tail giving the fewest stages (ties: the longest)."""
+def _stage_counts(
+    tab: _Tables, W: np.ndarray, budget: float, maximal_tail: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per candidate ``W``: the stages ``S``, the tail start used and the forward stages among ``S``
+    (the others are the tail and the backward stages). The tail is the paper's maximal one (grown
+    from the last layer while it fits) or the one giving the fewest stages (ties: the longest)."""
     S = np.empty(len(W), dtype=np.int64)
     tail = np.empty(len(W), dtype=np.int64)
+    forward = np.empty(len(W), dtype=np.int64)
     for lo in range(0, len(W), _CHUNK):
-        S[lo : lo + _CHUNK], tail[lo : lo + _CHUNK] = _stage_counts_chunk(tab, W[lo : lo + _CHUNK], budget, maximal_tail)
-    return S, tail
+        part = slice(lo, lo + _CHUNK)
+        S[part], tail[part], forward[part] = _stage_counts_chunk(tab, W[part], budget, maximal_tail)
+    return S, tail, forward
 
 
-def _stage_counts_chunk(tab: _Tables, W: np.ndarray, budget: float, maximal_tail: bool) -> tuple[np.ndarray, np.ndarray]:
+def _stage_counts_chunk(
+    tab: _Tables, W: np.ndarray, budget: float, maximal_tail: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     L = tab.L
     gF = _min_counts(tab, W, budget, backward=False)
     gB = _min_counts(tab, W, budget, backward=True)
     Wt = W * (1 + _REL_TOL)
     best = np.full(len(W), np.iinfo(np.int64).max, dtype=np.int64)
     tail = np.full(len(W), L - 1, dtype=np.int64)
+    forward = np.zeros(len(W), dtype=np.int64)
     for t in range(L - 1, -1, -1):  # tail [t, L), growing; fits for a prefix of this loop
         ok = (tab.Pb[L] - tab.Pb[t] <= Wt) & (tab.mem(t, L, True) <= budget)
         if not ok.any():
@@ -309,7 +335,67 @@ def _stage_counts_chunk(tab: _Tables, W: np.ndarray, budget: float, maximal_tail
         better = ok if maximal_tail else ok & (total <= best)
         best = np.where(better, total, best)
         tail = np.where(better, t, tail)
-    return best, tail
+        forward = np.where(better, gF[t], forward)
+    return best, tail, forward
+
+
+def _paper_search(
+    tab: _Tables, num_devices: int, budget: float, heaviest: float
+) -> tuple[list[range], list[range], int]:
+    """The paper's search (paper section 4.4) with the even re-cut; see the module docstring.
+
+    Every candidate ``W`` in ``[heaviest, PAPER_UPPER_THRESHOLD x heaviest]`` (seconds) fixes a
+    maximal tail and the fewest forward and backward stages; candidates with the same shape (tail
+    start and stage counts) re-cut alike, so each shape is scored once, at its smallest ``W``.
+
+    Returns:
+        ``(forward, backward, tail_start)``: the ascending forward and backward stages of layers
+        ``[0, tail_start)``; the tail is ``[tail_start, L)``.
+    """
+    cands = _contiguous_sums(tab, lo=heaviest, hi=heaviest * PAPER_UPPER_THRESHOLD)
+    n_stages, tail_start, n_forward = _stage_counts(tab, cands, budget, maximal_tail=True)
+    best: tuple[float, int, float] | None = None
+    chosen: tuple[list[range], list[range], int] = ([], [], tab.L - 1)
+    seen: set[tuple[int, int, int]] = set()
+    for k in range(len(cands)):  # ascending W: ties keep the smaller budget
+        shape = (int(tail_start[k]), int(n_forward[k]), int(n_stages[k]))
+        if shape in seen:
+            continue
+        seen.add(shape)
+        start, forward_count, stage_count = shape
+        budget_s = float(cands[k])
+        fwd = _even_cut(tab, start, forward_count, budget_s, budget, backward=False)
+        bwd = _even_cut(tab, start, stage_count - 1 - forward_count, budget_s, budget, backward=True)
+        largest = max(
+            [tab.cost(start, tab.L, True)]
+            + [tab.cost(r.start, r.stop, False) for r in fwd]
+            + [tab.cost(r.start, r.stop, True) for r in bwd]
+        )
+        key = (max(stage_count, num_devices) * largest, stage_count, largest)
+        if best is None or _key_less(key, best):
+            best, chosen = key, (fwd, bwd, start)
+    return chosen
+
+
+def _key_less(key: tuple[float, int, float], other: tuple[float, int, float]) -> bool:
+    """``(objective_s, stages, largest_s)`` lexicographically smaller, seconds compared within ``_REL_TOL``."""
+    for mine, theirs in zip(key, other):
+        if abs(mine - theirs) > _REL_TOL * max(abs(mine), abs(theirs)):
+            return mine < theirs
+    return False
+
+
+def _even_cut(tab: _Tables, stop: int, count: int, W: float, budget: float, backward: bool) -> list[range]:
+    """Layers ``[0, stop)`` in ``count`` stages (the fewest within ``W``), re-cut as evenly as possible
+    (:func:`balanced_stage_layers`: its largest stage cost is ``<= W``); the greedy packing within
+    ``W`` if a re-cut stage exceeds the memory budget. Returns ascending ranges."""
+    if count == 0:
+        return []
+    costs = (tab.b if backward else tab.f)[:stop].tolist()
+    even = list(balanced_stage_layers(costs, count))
+    if all(tab.mem(r.start, r.stop, backward) <= budget for r in even):
+        return even
+    return _pack(tab, 0, stop, W, budget, backward)
 
 
 def _pack(tab: _Tables, start: int, stop: int, W: float, budget: float, backward: bool) -> list[range]:

@@ -1,11 +1,10 @@
-"""`DeviceWorker`: one thread per device that runs the jobs given to it, in order.
+"""`StreamThread`: one host thread that runs the jobs given to it, in order.
 
-- CUDA: the thread binds its GPU and owns its streams (weight upload, activation upload, compute,
-  download; see ``transfer.py``).
-- CPU virtual devices: the thread calls ``torch.set_num_threads(1)``; an "upload" is a distinct
-  copy in the compute dtype (``store.py``), so residency and memory accounting are real.
-
-Workers hold nothing between stages. Grad mode and autocast are thread-local: jobs set them.
+Every stream of every device (``weights``, ``h2d``, ``compute``, ``d2h``) has one such thread, which
+walks that stream's op list of the stream program (:mod:`lightning_roundpipe.runtime.executor`). On
+CPU virtual devices the thread does the work itself (``torch.set_num_threads(1)``: one core per
+compute stream); on CUDA it enqueues the work on its CUDA stream. Grad mode and autocast are
+thread-local: jobs set them.
 """
 
 from __future__ import annotations
@@ -14,46 +13,33 @@ import queue
 import threading
 from typing import Callable
 
-import torch
 
-
-class DeviceWorker:
-    """A worker thread bound to ``device``.
+class StreamThread:
+    """A daemon thread that runs ``fn()`` jobs in submission order.
 
     Args:
-        device_index: position of the device in the strategy's device list (``device_index`` in
-            metrics and errors).
-        device: ``torch.device("cpu")`` for a CPU virtual device, or ``cuda:i``.
+        name: thread name (``roundpipe-device0-compute``).
+        setup: called once in the thread before the first job (bind a device, set thread counts);
+            an exception there is re-raised by the constructor.
     """
 
-    def __init__(self, device_index: int, device: torch.device) -> None:
-        self.device_index = device_index
-        self.device = torch.device(device)
-        self.streams = None  # transfer.DeviceStreams on CUDA, set in the thread
-        self._jobs: "queue.SimpleQueue[tuple[Callable[[DeviceWorker], None], threading.Event] | None]" = queue.SimpleQueue()
+    def __init__(self, name: str, setup: Callable[[], None] | None = None) -> None:
+        self._jobs: "queue.SimpleQueue[tuple[Callable[[], None], threading.Event] | None]" = queue.SimpleQueue()
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name=f"roundpipe-device{device_index}", daemon=True)
+        self._setup = setup
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._init_error is not None:
             raise self._init_error
 
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
     def _loop(self) -> None:
         try:
-            if self.is_cuda:
-                from lightning_roundpipe.runtime.transfer import DeviceStreams
-
-                torch.cuda.set_device(self.device)
-                self.streams = DeviceStreams(self.device)
-            else:
-                torch.set_num_threads(1)
-        except BaseException as e:  # pragma: no cover - device setup failure
-            self._init_error = e
+            if self._setup is not None:
+                self._setup()
+        except BaseException as error:  # device setup failure: reported by the constructor
+            self._init_error = error
             self._ready.set()
             return
         self._ready.set()
@@ -63,12 +49,12 @@ class DeviceWorker:
                 return
             fn, done = job
             try:
-                fn(self)
+                fn()
             finally:
                 done.set()
 
-    def submit(self, fn: Callable[["DeviceWorker"], None]) -> threading.Event:
-        """Queue ``fn(worker)``; the returned event is set when it has returned or raised.
+    def submit(self, fn: Callable[[], None]) -> threading.Event:
+        """Queue ``fn()``; the returned event is set when it has returned or raised.
 
         ``fn`` must catch its own exceptions (the executor records them for the main thread).
         """
@@ -85,6 +71,3 @@ class DeviceWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
-
-    def __repr__(self) -> str:
-        return f"DeviceWorker(device_index={self.device_index}, device={self.device})"

@@ -19,12 +19,14 @@ from lightning_roundpipe.adapters.base import LayerSequence
 from lightning_roundpipe.metrics.timeline import Timeline
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.autograd import attach
-from lightning_roundpipe.runtime.devices import DeviceWorker
+from lightning_roundpipe.runtime.backends import make_backends
 from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.microbatch import merge_input_grads, merge_leaves, split_grads, split_microbatches
 from lightning_roundpipe.runtime.profiler import LayerProfiler
 from lightning_roundpipe.runtime.store import WeightStore
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages, default_stage_ranges
+from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES, lower
+from lightning_roundpipe.schedule.program import StreamProgram
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +72,29 @@ class RoundPipeEngine:
         fused_loss: when the model computes its own scalar loss (HF causal LM with ``labels``),
             run forward stages, the fused tail and the backward stages as one plan inside the
             forward call (DESIGN.md section 2, fused path); ``False`` always uses the transparent path.
+        chunk_bytes: largest weight upload chunk, bytes (paper section 3.3; default 64 MiB).
+        microbatches_per_round: dispatch microbatches in rounds of at most this many
+            (:func:`~lightning_roundpipe.schedule.build_roundpipe_plan`); ``None``: one round.
+        cpu_link_bytes_per_s: CPU virtual devices: modelled host link rate per direction, bytes/s
+            (``None``: unthrottled copies).
+        debug_copy_delay_s: CPU virtual devices, debugging: every copy lands this many seconds late
+            (its destination holds NaN meanwhile), so a missing dependency gives a wrong result.
+        profile_steps: profile every layer during this many training steps (>= 2, the first is
+            dropped) to predict step times with the simulator (:meth:`predict_s`), also without
+            the automatic partition; ``None``: only when ``auto_partition_after_steps`` is set.
 
     Raises:
-        ValueError: for an empty device list, ``num_microbatches < 1`` or a partition that does not
-            tile the layers.
+        ValueError: for an empty device list, ``num_microbatches < 1``, a partition that does not
+            tile the layers, or an accelerator other than CPU and CUDA.
     """
 
     def __init__(self, seq: LayerSequence, devices: Sequence[torch.device], num_microbatches: int,
                  partition: PartitionPlan | None = None, compute_dtype: torch.dtype | None = None,
                  autocast_dtype: torch.dtype | None = None, auto_partition_after_steps: int | None = None,
-                 stage_memory_bytes: int | None = None, fused_loss: bool = True) -> None:
+                 stage_memory_bytes: int | None = None, fused_loss: bool = True,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, microbatches_per_round: int | None = None,
+                 cpu_link_bytes_per_s: float | None = None, debug_copy_delay_s: float = 0.0,
+                 profile_steps: int | None = None) -> None:
         if not devices:
             raise ValueError("`devices` is empty: RoundPipe needs at least one device.")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -91,23 +106,30 @@ class RoundPipeEngine:
         self.partition.validate(len(seq))
         self.stages = build_stages(self.partition.forward_stages, self.partition.backward_stages)
         self._fused_stages = None
-        self.store = WeightStore(seq.layers, compute_dtype)
-        self.workers = [DeviceWorker(i, d) for i, d in enumerate(self.devices)]
-        self.executor = Executor(seq, self.workers, self.store, autocast_dtype)
+        self.chunk_bytes = chunk_bytes
+        self.microbatches_per_round = microbatches_per_round
+        self.cpu_link_bytes_per_s = cpu_link_bytes_per_s
+        self.backends = make_backends(self.devices, cpu_link_bytes_per_s, debug_copy_delay_s)
+        self.store = WeightStore(seq.layers, compute_dtype, pin_memory=self.devices[0].type == "cuda")
+        self.executor = Executor(seq, self.backends, self.store, autocast_dtype)
         self.cursor = 0
-        self._plans: dict[tuple[int, int], ExecutionPlan] = {}
+        self._plans: dict[tuple, ExecutionPlan] = {}
+        self._programs: dict[tuple, StreamProgram] = {}
         self._timelines: list[Timeline] = []
+        self._step_programs: list[StreamProgram] = []
         self._lock = threading.Lock()
         self._original_forward = None
         self._warned_small_batch = False
         self.stage_memory_bytes = stage_memory_bytes
         self.fused_loss = fused_loss
         self.auto_partition_after_steps = auto_partition_after_steps
-        if auto_partition_after_steps is not None:
-            if not isinstance(auto_partition_after_steps, int) or auto_partition_after_steps < 2:
-                raise ValueError(
-                    f"`auto_partition_after_steps` must be an int >= 2 (the first step is warm-up), got {auto_partition_after_steps!r}."
-                )
+        self.measured_profiles = None
+        self._predictions: dict[int, tuple[StreamProgram, float]] = {}
+        for name, value in (("auto_partition_after_steps", auto_partition_after_steps), ("profile_steps", profile_steps)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
+                raise ValueError(f"`{name}` must be an int >= 2 (the first step is warm-up) or None, got {value!r}.")
+        self.profile_steps = auto_partition_after_steps or profile_steps
+        if self.profile_steps is not None:
             self.executor.profiler = LayerProfiler(len(seq))
 
     # ------------------------------------------------------------------ install / close
@@ -129,8 +151,7 @@ class RoundPipeEngine:
     def close(self) -> None:
         """Uninstall and stop the worker threads."""
         self.uninstall()
-        for w in self.workers:
-            w.close()
+        self.executor.close()
 
     def set_partition(self, partition: PartitionPlan) -> None:
         """Use new stage boundaries from the next call on (e.g. from the automatic partitioner)."""
@@ -139,6 +160,8 @@ class RoundPipeEngine:
         self.stages = build_stages(partition.forward_stages, partition.backward_stages)
         self._fused_stages = None
         self._plans.clear()
+        self._programs.clear()
+        self._predictions.clear()
 
     # ------------------------------------------------------------------ plans
     def plan(self, num_microbatches: int, cursor: int, fused: bool = False) -> ExecutionPlan:
@@ -151,8 +174,24 @@ class RoundPipeEngine:
         plan = self._plans.get(key)
         if plan is None:
             stages = self.fused_stages if fused else self.stages
-            plan = self._plans[key] = build_roundpipe_plan(stages, len(self.workers), num_microbatches, cursor)
+            plan = self._plans[key] = build_roundpipe_plan(stages, len(self.backends), num_microbatches, cursor,
+                                                           microbatches_per_round=self.microbatches_per_round)
         return plan
+
+    def program(self, num_microbatches: int, cursor: int, fused: bool = False, phase: str | None = None) -> StreamProgram:
+        """The validated stream program of :meth:`plan` (or of its ``phase``), lowered with this
+        model's stage byte sizes and ``chunk_bytes`` (cached)."""
+        key = (num_microbatches, cursor, fused, phase)
+        program = self._programs.get(key)
+        if program is None:
+            plan = self.plan(num_microbatches, cursor, fused)
+            if phase is not None:
+                plan = plan.phase(phase)
+            program = self._programs[key] = lower(
+                plan, stage_weight_bytes=[self.store.stage_bytes(s.layers) for s in plan.stages],
+                stage_grad_bytes=[self.store.stage_grad_bytes(s.layers) if s.kind == "backward" else 0 for s in plan.stages],
+                chunk_bytes=self.chunk_bytes)
+        return program
 
     @property
     def fused_stages(self):
@@ -166,7 +205,7 @@ class RoundPipeEngine:
     def _advance(self, n: int) -> int:
         with self._lock:
             c = self.cursor
-            self.cursor = (c + n) % len(self.workers)
+            self.cursor = (c + n) % len(self.backends)
             return c
 
     # ------------------------------------------------------------------ the pipelined forward
@@ -210,7 +249,7 @@ class RoundPipeEngine:
         if training and self.fused_loss and seq.loss_key and seq.has_loss and seq.has_loss(carry):
             return self._fused_forward(state, m, flat, sizes, grad_inputs)
         cursor = self._advance(n_fwd)
-        self._run(self.plan(m, cursor).phase("forward"), state)
+        self._run(self.program(m, cursor, phase="forward"), state)
         finals = [pytree.tree_flatten(state.final.pop(i)) for i in range(m)]
         spec = finals[0][1]
         if not seq.additive_scalars:
@@ -225,8 +264,8 @@ class RoundPipeEngine:
                 for i, g in zip(idx, grads):
                     full[i] = g
                 state.final_grads = split_grads(merged, full, sizes)
-                bcursor = (self._advance(n_bwd) - n_fwd) % len(self.workers)
-                self._run(self.plan(m, bcursor).phase("backward"), state)
+                bcursor = (self._advance(n_bwd) - n_fwd) % len(self.backends)
+                self._run(self.program(m, bcursor, phase="backward"), state)
                 state.acts.clear()
                 return self._input_grads(state, flat, sizes)
 
@@ -251,8 +290,7 @@ class RoundPipeEngine:
         so this is exact whatever the user does with the scalar loss).
         """
         state.grad_sink = {}
-        plan = self.plan(m, self._advance(len(self.fused_stages)), fused=True)
-        self._run(plan, state)
+        self._run(self.program(m, self._advance(len(self.fused_stages)), fused=True), state)
         key = self.seq.loss_key
         loss = merge_leaves([[state.final.pop(i)[key]] for i in range(m)])[0]
         sink = state.grad_sink
@@ -278,15 +316,17 @@ class RoundPipeEngine:
         (loss,) = attach([loss], run_backward, grad_inputs)
         return self.seq.finalize({key: loss})
 
-    def _run(self, plan: ExecutionPlan, state: PipelineState) -> None:
-        timeline = self.executor.run(plan, state)
+    def _run(self, program: StreamProgram, state: PipelineState) -> None:
+        timeline = self.executor.run(program, state)
         with self._lock:
             self._timelines.append(timeline)
+            self._step_programs.append(program)
 
-    # ------------------------------------------------------------------ automatic partition
+    # ------------------------------------------------------------------ profiling, automatic partition
     def end_step(self) -> PartitionPlan | None:
-        """Call after every training step: folds the step's layer timings into the profile and,
-        after ``auto_partition_after_steps`` steps, switches to the automatic partition.
+        """Call after every training step: folds the step's layer timings into the profile; after
+        the profiled steps, keeps the measured profiles (for :meth:`predict_s`) and, with
+        ``auto_partition_after_steps``, switches to the automatic partition.
 
         Returns:
             The new partition when it was switched at this step, else ``None``.
@@ -295,14 +335,18 @@ class RoundPipeEngine:
         if prof is None or not prof.enabled:
             return None
         prof.end_step()
-        if prof.steps_seen < self.auto_partition_after_steps or not prof.ready:
+        if prof.steps_seen < self.profile_steps or not prof.ready:
+            return None
+        prof.enabled = False
+        param_bytes = [self.store.stage_bytes(range(i, i + 1)) for i in range(len(self.seq))]
+        grad_bytes = [self.store.stage_grad_bytes(range(i, i + 1)) for i in range(len(self.seq))]
+        profiles = prof.profiles(param_bytes, grad_bytes)
+        self.measured_profiles = profiles
+        if self.auto_partition_after_steps is None:
             return None
         from lightning_roundpipe.partition import auto_partition, describe_stages
 
-        prof.enabled = False
-        param_bytes = [self.store.layer_param_bytes(i) for i in range(len(self.seq))]
-        profiles = prof.profiles(param_bytes)
-        new = auto_partition(profiles, len(self.workers), self.stage_memory_bytes)
+        new = auto_partition(profiles, len(self.backends), self.stage_memory_bytes)
         if (new.forward_stages, new.backward_stages) != (self.partition.forward_stages, self.partition.backward_stages):
             rows = "\n".join(
                 f"  stage {s.stage_index:3d} {s.kind:8s} layers {s.layers.start}..{s.layers.stop - 1}"
@@ -312,6 +356,44 @@ class RoundPipeEngine:
                      prof.steps_seen - prof.skip_steps, (new.objective_s or 0.0) * 1e3, rows)
             self.set_partition(new)
         return new
+
+    def hardware_model(self):
+        """The link model the prediction uses: on CUDA the measured pinned H2D/D2H rates of the first
+        GPU (bytes/s; duplex taken as the H2D rate); on CPU virtual devices the modelled link, or
+        ``None`` when copies are unthrottled (transfers then cost nothing in the prediction)."""
+        from lightning_roundpipe.partition.profile import HardwareModel
+
+        if self.backends[0].is_cuda:
+            h2d, d2h = self.backends[0].measure_link()
+        elif self.cpu_link_bytes_per_s is not None:
+            h2d = d2h = self.cpu_link_bytes_per_s
+        else:
+            return None
+        return HardwareModel(flops_per_s=1.0, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, h2d_duplex_bytes_per_s=h2d)
+
+    def predict_s(self, programs: Sequence[StreamProgram]) -> float | None:
+        """The simulator's time for ``programs`` (one step's), seconds, from the measured per-layer
+        profiles; ``None`` before the profiled steps are over. The same programs the executor ran
+        are timed (DESIGN.md section 3: one program, two consumers)."""
+        if self.measured_profiles is None or not programs:
+            return None
+        from lightning_roundpipe.simulate import simulate_program
+
+        total = 0.0
+        for program in programs:
+            got = self._predictions.get(id(program))
+            if got is None or got[0] is not program:
+                got = self._predictions[id(program)] = (
+                    program, simulate_program(program, self.measured_profiles, self.hardware_model()).iteration_s)
+            total += got[1]
+        return total
+
+    def pop_step_programs(self) -> list[StreamProgram]:
+        """The programs run since the last call (one step's: the fused program, or the forward and
+        backward phases)."""
+        with self._lock:
+            out, self._step_programs = self._step_programs, []
+        return out
 
     # ------------------------------------------------------------------ metrics
     def pop_timelines(self) -> list[Timeline]:

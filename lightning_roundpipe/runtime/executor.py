@@ -1,21 +1,24 @@
-"""Walks each device's action list of an :class:`ExecutionPlan`; never reorders.
+"""Executes a :class:`~lightning_roundpipe.schedule.program.StreamProgram`; never reorders.
 
-One :class:`PhaseRun` per phase (the forward stages of a call, or its backward stages): the
-executor gives every :class:`DeviceWorker` its list, each action waits for the actions it depends
-on (``ExecutionPlan.dependencies``) through per-(stage, microbatch) events, and a dispatch table
-maps each action kind to its handler:
+Every (device, stream) list is walked in order by that stream's thread (DESIGN.md sections 4 and
+9). Before an op, the thread waits until each op it depends on (``program.deps``) is issued, then
+makes its stream wait for that op's device event (cross-device too); after the op it records its own
+event. A dispatch table maps each op kind to its handler:
 
-- ``LOAD``: upload the stage's weights (compute dtype);
-- ``F``: forward of one microbatch without autograd; stage-boundary outputs go to the host;
-- ``B``: recompute the stage's layers from the saved boundary input with autograd, then backward
-  with the gradient from the stage after it; the input gradient goes to the host;
-- ``X``: fused tail: forward of the last layers and the loss, then backward seeded with
-  ``loss_seed``, in one action (never recomputed; logits never leave the device);
-- ``DROP``: release the weights; for a backward stage add its gradients into the masters' ``.grad``
-  (in backward-stage order, so the summation order, and so the result, does not depend on timing).
+- ``LOAD``: chunk ``c`` of the stage's weights from the host shadows into the stage's device buffer;
+- ``H2D`` / ``GH2D``: the input of an ``F``/``X``/``R`` / the incoming gradient of a ``B``, host to device;
+- ``F``: forward without autograd; ``X``: fused tail (forward, loss, backward seeded with
+  ``loss_seed``; never recomputed, logits never leave the device); ``R``: recompute with autograd
+  from the saved stage input; ``B``: backward with the incoming gradient;
+- ``D2H``: what ``F``/``X``/``B`` send to the host (boundary activations, the loss, input gradients);
+- ``WD2H``: the stage's weight gradients into a flat host buffer, added into the masters' ``.grad``
+  by the host thread in backward-stage order (so the result does not depend on timing);
+- ``DROP``: release the stage (after writing BatchNorm-like buffers back for forward stages).
 
-A worker that raises makes the phase raise in the main thread with the original exception type and
-the device, stage and microbatch in the message; the other workers stop at their next wait.
+Each device runs its layers on its own :class:`~lightning_roundpipe.runtime.replica.LayerReplica`,
+so no lock is shared between devices. A handler that raises makes the program raise in the main
+thread with the original exception (its type and attributes kept) and the device, op, stage and
+microbatch added as a note; the other threads stop at their next wait.
 """
 
 from __future__ import annotations
@@ -28,27 +31,28 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.adapters.base import LayerSequence, is_float_tensor, module_uses_rng
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
-from lightning_roundpipe.runtime import transfer
-from lightning_roundpipe.runtime.devices import DeviceWorker
-from lightning_roundpipe.runtime.store import ResidentStage, WeightStore
-from lightning_roundpipe.schedule import Action, ActionKind, ExecutionPlan
+from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
+from lightning_roundpipe.runtime.devices import StreamThread
+from lightning_roundpipe.runtime.replica import LayerReplica
+from lightning_roundpipe.runtime.store import WeightStore
+from lightning_roundpipe.schedule.lower import plan_dispatches
+from lightning_roundpipe.schedule.program import STREAMS, Op, OpKind, StreamProgram
 
 _CPU_RNG_LOCK = threading.Lock()
 _POLL_S = 0.05
 
 
 class _Aborted(Exception):
-    """Raised inside a worker waiting on a dependency when another worker failed."""
+    """Raised inside a stream thread waiting on a dependency when another thread failed."""
 
 
 @dataclass
 class PipelineState:
-    """Data of one pipelined call, shared by its forward and backward phases.
+    """Data of one pipelined call, shared by its forward and backward programs (host side).
 
     Attributes:
         num_microbatches: microbatches of this call.
@@ -62,10 +66,9 @@ class PipelineState:
         base_seed: seed the per-(layer, microbatch) RNG streams derive from; ``None`` if no layer
             draws random numbers.
         rng_layers: indices of the layers that draw random numbers.
-        grad_sink: fused path: ``id(master) -> (master, grad)`` CPU gradient buffers that ``DROP``
+        grad_sink: fused path: ``id(master) -> (master, grad)`` CPU gradient buffers that ``WD2H``
             fills instead of ``.grad``.
-        loss_seed: fused path: the gradient the fused tail seeds its loss with (the fp16 loss scale;
-            1.0 otherwise).
+        loss_seed: fused path: the gradient the fused tail seeds its loss with (1.0 unless scaled).
         input_grad_positions: flat (pytree) positions of the batch inputs that need a gradient;
             their per-microbatch gradients go to ``grads[(0, microbatch_index)]``.
     """
@@ -84,25 +87,46 @@ class PipelineState:
     input_grad_positions: tuple = ()
 
 
-class PhaseRun:
-    """Synchronisation of one phase: done events, abort flag, first error, timeline."""
+class ProgramRun:
+    """One execution of a program: issue flags, device events, device-local slots, the first error."""
 
-    def __init__(self, plan: ExecutionPlan, state: PipelineState) -> None:
-        self.plan = plan
+    def __init__(self, program: StreamProgram, state: PipelineState, num_devices: int) -> None:
+        self.program = program
+        self.plan = program.plan
         self.state = state
-        self.done = {(a.stage_index, a.microbatch_index): threading.Event()
-                     for acts in plan.actions for a in acts if a.kind.is_compute}
-        self.committed = {s.stage_index: threading.Event() for s in plan.stages}
+        self.issued = {op: threading.Event() for _, _, _, op in program.ops()}
+        self.events: dict[Op, Any] = {}
+        self.slots: dict[tuple, Any] = {}
+        self.resident: dict[tuple[int, int], Any] = {}
+        self.host_grads: dict[tuple[int, int], list] = {}
         self.abort = threading.Event()
         self.error: BaseException | None = None
         self.error_context = ""
         self._lock = threading.Lock()
-        self.intervals: list[Interval] = []
-        self.peak_resident_bytes = [0] * plan.num_devices
+        self.spans: list[tuple[int, Op, Callable[[], tuple[float, float]], int]] = []
+        self.resident_bytes = [0] * num_devices
+        self.peak_resident_bytes = [0] * num_devices
+        # host inputs read by several uploads (a boundary the next forward stage and a backward
+        # stage's recompute both start from): the last reader of this program frees the entry
+        self.readers: dict[int, int] = {}
+        for _, _, _, op in program.ops():
+            if op.kind is OpKind.H2D:
+                start = self.plan.stages[op.stage_index].layers.start
+                self.readers[start] = self.readers.get(start, 0) + (op.microbatch_index == 0)
+        self._readers_left: dict[tuple[int, int], int] = {}
+        self.has_backward = any(self.plan.stages[op.stage_index].kind == "backward" for _, _, _, op in program.ops())
         self.t0 = time.perf_counter()
 
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
+    def take_input(self, layer_index: int, microbatch_index: int) -> Any:
+        """The host carry entering ``layer_index`` for one microbatch; the program's last reader
+        removes it, unless a later program (the backward phase) still needs it."""
+        key = (layer_index, microbatch_index)
+        with self._lock:
+            left = self._readers_left.get(key, self.readers.get(layer_index, 1)) - 1
+            self._readers_left[key] = left
+        if left <= 0 and (self.has_backward or layer_index not in self.state.keep):
+            return self.state.acts.pop(key)
+        return self.state.acts[key]
 
     def wait(self, event: threading.Event) -> None:
         while not event.wait(_POLL_S):
@@ -115,17 +139,24 @@ class PhaseRun:
                 self.error, self.error_context = error, context
         self.abort.set()
 
+    def add_resident(self, device_index: int, nbytes: int) -> None:
+        with self._lock:
+            self.resident_bytes[device_index] += nbytes
+            self.peak_resident_bytes[device_index] = max(self.peak_resident_bytes[device_index],
+                                                         self.resident_bytes[device_index])
+
 
 def _with_context(error: BaseException, context: str) -> BaseException:
-    """The same exception type with ``context`` in front of its message (a note if it cannot be rebuilt)."""
-    msg = f"{context}: {error}"
+    """The original exception (type and attributes kept) with ``context`` in front of its message
+    when its type can be rebuilt from a message, else with ``context`` as a note."""
     try:
-        new = type(error)(msg)
+        new = type(error)(f"{context}: {error}")
     except Exception:
         new = None
     if new is None or str(new) == str(error):
         error.add_note(f"RoundPipe: {context}")
         return error
+    new.__dict__.update(getattr(error, "__dict__", {}))
     new.__cause__ = error
     return new
 
@@ -137,16 +168,16 @@ def layer_seed(base_seed: int, layer_index: int, microbatch_index: int) -> int:
 
 
 @contextlib.contextmanager
-def rng_scope(seed: int | None, worker: DeviceWorker):
-    """Run a layer with the generator of ``worker``'s device seeded to ``seed``, then restore it.
+def rng_scope(seed: int | None, backend: Backend):
+    """Run a layer with the generator of ``backend``'s device seeded to ``seed``, then restore it.
 
     The CPU generator is process-wide, so CPU virtual devices take a lock around seeded layers.
     """
     if seed is None:
         yield
         return
-    if worker.is_cuda:
-        gen = torch.cuda.default_generators[worker.device.index]
+    if backend.is_cuda:
+        gen = torch.cuda.default_generators[backend.device.index]
         state = gen.get_state()
         gen.manual_seed(seed)
         try:
@@ -164,226 +195,301 @@ def rng_scope(seed: int | None, worker: DeviceWorker):
 
 
 class Executor:
-    """Runs plan phases of one :class:`LayerSequence` on a fixed set of workers.
+    """Runs stream programs of one :class:`LayerSequence` on a fixed set of device backends.
 
     Args:
         seq: the layer sequence.
-        workers: one :class:`DeviceWorker` per device, ``workers[device_index]``.
+        backends: one :class:`Backend` per device, ``backends[device_index]``.
         store: the :class:`WeightStore` of ``seq``'s layers.
-        autocast_dtype: dtype of ``torch.autocast`` on the workers (``None``: no autocast).
+        autocast_dtype: dtype of ``torch.autocast`` on the devices (``None``: no autocast).
     """
 
-    def __init__(self, seq: LayerSequence, workers: list[DeviceWorker], store: WeightStore,
+    def __init__(self, seq: LayerSequence, backends: list[Backend], store: WeightStore,
                  autocast_dtype: torch.dtype | None = None) -> None:
         self.seq = seq
-        self.workers = workers
+        self.backends = backends
         self.store = store
         self.autocast_dtype = autocast_dtype
         self.profiler = None  # a runtime.profiler.LayerProfiler while profiling
-        # `functional_call` swaps a module's attributes while it runs: one thread per layer at a time
-        # (a forward stage and a backward stage over the same layer overlap in the fused plan)
-        self._layer_locks = [threading.Lock() for _ in seq.layers]
-        self._dispatch: dict[ActionKind, Callable] = {
-            ActionKind.LOAD: self._load,
-            ActionKind.F: self._forward,
-            ActionKind.B: self._backward,
-            ActionKind.X: self._backward,
-            ActionKind.DROP: self._drop,
+        self.replicas = [[LayerReplica(layer) for layer in seq.layers] for _ in backends]
+        self.host = StreamThread("roundpipe-host-grads")
+        self._dispatch: dict[OpKind, Callable[[Backend, Op, ProgramRun], int]] = {
+            OpKind.LOAD: self._load, OpKind.H2D: self._h2d, OpKind.GH2D: self._gh2d,
+            OpKind.F: self._forward, OpKind.X: self._fused, OpKind.R: self._recompute, OpKind.B: self._backward,
+            OpKind.D2H: self._d2h, OpKind.WD2H: self._wd2h, OpKind.DROP: self._drop,
         }
 
+    def close(self) -> None:
+        self.host.close()
+        for backend in self.backends:
+            backend.close()
+
     # ------------------------------------------------------------------ driver
-    def run(self, plan: ExecutionPlan, state: PipelineState) -> Timeline:
-        """Execute ``plan`` (one phase) and return its measured timeline.
+    def run(self, program: StreamProgram, state: PipelineState) -> Timeline:
+        """Execute ``program`` and return its measured timeline.
 
         Raises:
-            The first worker exception, same type, message prefixed with device, stage and microbatch.
-            ``NotImplementedError`` for action kinds the runtime does not execute (``W``).
+            The first exception of any stream (its type kept, device/op/stage/microbatch added).
+            ``NotImplementedError`` for op kinds the runtime does not execute (``W``).
         """
-        for acts in plan.actions:
-            for a in acts:
-                if a.kind not in self._dispatch:
-                    raise NotImplementedError(f"The runtime cannot execute `{a}` ({a.kind.value} actions are simulator-only).")
-        run = PhaseRun(plan, state)
-        jobs = [w.submit(lambda worker, acts=acts: self._device_job(worker, acts, run))
-                for w, acts in zip(self.workers, plan.actions)]
+        for _, _, _, op in program.ops():
+            if op.kind not in self._dispatch:
+                raise NotImplementedError(f"The runtime cannot execute `{op}` ({op.kind.value} ops are simulator-only).")
+        self.store.refresh()
+        run = ProgramRun(program, state, len(self.backends))
+        for backend in self.backends:
+            backend.begin()
+        jobs = [backend.threads[stream].submit(lambda b=backend, s=stream: self._stream_job(b, s, run))
+                for backend in self.backends for stream in STREAMS if program.streams[backend.device_index][stream]]
+        jobs.append(self.host.submit(lambda: self._commit_grads(run)))
         try:
-            for j in jobs:
-                while not j.wait(_POLL_S):
-                    if not all(w.alive for w in self.workers):
-                        run.fail(RuntimeError("a RoundPipe device worker thread died"), "runtime")
-        except BaseException:  # KeyboardInterrupt in the main thread: stop the workers, then re-raise
+            for job in jobs:
+                while not job.wait(_POLL_S):
+                    if not all(b.alive for b in self.backends) or not self.host.alive:
+                        run.fail(RuntimeError("a RoundPipe stream thread died"), "runtime")
+        except BaseException:  # KeyboardInterrupt in the main thread: stop the threads, then re-raise
             run.abort.set()
-            for j in jobs:
-                j.wait(30)
+            for job in jobs:
+                job.wait(30)
             raise
         if run.error is not None:
             raise _with_context(run.error, run.error_context) from run.error
-        wall = run.now()
-        return Timeline(len(self.workers), run.intervals, wall_s=wall, peak_resident_bytes=run.peak_resident_bytes)
+        for backend in self.backends:
+            backend.synchronize()
+        wall = time.perf_counter() - run.t0
+        intervals = []
+        for device_index, op, span, nbytes in run.spans:
+            start, end = span()
+            kind = op.kind.value if op.kind.is_compute else ("H2D" if op.stream in ("weights", "h2d") else "D2H")
+            intervals.append(Interval(device_index, kind, op.stage_index, op.microbatch_index, start - run.t0,
+                                      end - run.t0, nbytes, stream=op.stream, label=str(op)))
+        return Timeline(len(self.backends), intervals, wall_s=wall, peak_resident_bytes=run.peak_resident_bytes)
 
-    def _device_job(self, worker: DeviceWorker, actions: tuple[Action, ...], run: PhaseRun) -> None:
-        resident: dict[int, ResidentStage] = {}
-        action = None
+    def _stream_job(self, backend: Backend, stream: str, run: ProgramRun) -> None:
+        op = None
+        deps = run.program.deps
         try:
-            with transfer.compute_context(worker):
-                for action in actions:
+            with backend.stream_context(stream):
+                for op in run.program.streams[backend.device_index][stream]:
                     if run.abort.is_set():
                         return
-                    self._dispatch[action.kind](worker, action, run, resident)
+                    for dep in deps.get(op, ()):
+                        run.wait(run.issued[dep])
+                        event = run.events.get(dep)
+                        if event is not None:
+                            backend.wait_event(stream, event)
+                    start = backend.timer_start(stream)
+                    nbytes = self._dispatch[op.kind](backend, op, run)
+                    run.events[op] = backend.record(stream)
+                    if op.kind is not OpKind.DROP:
+                        run.spans.append((backend.device_index, op, backend.timer_span(stream, start), nbytes or 0))
+                    run.issued[op].set()
         except _Aborted:
             return
-        except BaseException as e:
-            spec = run.plan.stages[action.stage_index]
-            mb = "" if action.microbatch_index is None else f", microbatch {action.microbatch_index}"
-            run.fail(e, f"RoundPipe device {worker.device_index} ({worker.device}), action `{action}`: "
-                        f"{spec.describe()}{mb}")
-        finally:
-            resident.clear()
+        except BaseException as error:
+            spec = run.plan.stages[op.stage_index]
+            mb = "" if op.microbatch_index is None else f", microbatch {op.microbatch_index}"
+            run.fail(error, f"RoundPipe device {backend.device_index} ({backend.device}), op `{op}` on stream"
+                            f" `{stream}`: {spec.describe()}{mb}")
+
+    def _commit_grads(self, run: ProgramRun) -> None:
+        """Host thread: add each backward dispatch's gradients, in (round, backward stage) order."""
+        try:
+            order = {s.stage_index: i for i, s in enumerate(run.plan.backward_stages)}
+            dispatches = sorted((d for d in plan_dispatches(run.plan) if d.stage_index in order),
+                                key=lambda d: (d.round_index, order[d.stage_index]))
+            for dispatch in dispatches:
+                op = Op(OpKind.WD2H, dispatch.stage_index, None, None, dispatch.round_index)
+                run.wait(run.issued[op])
+                event = run.events.get(op)
+                if event is not None:
+                    self.backends[dispatch.device_index].host_wait(event)
+                self.store.add_grads(run.host_grads.pop((dispatch.stage_index, dispatch.round_index), []),
+                                     run.state.grad_sink)
+        except _Aborted:
+            return
+        except BaseException as error:
+            run.fail(error, "RoundPipe host gradient accumulation")
 
     # ------------------------------------------------------------------ helpers
-    def _autocast(self, worker: DeviceWorker):
+    def _autocast(self, backend: Backend):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=worker.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(device_type=backend.device.type, dtype=self.autocast_dtype)
 
-    def _call_layers(self, worker: DeviceWorker, run: PhaseRun, resident: ResidentStage, layers: range,
-                     carry: Any, mb: int, on_boundary: Callable[[int, Any], None] | None = None,
+    def _call_layers(self, backend: Backend, run: ProgramRun, stage_key: tuple[int, int], layers: range, carry: Any,
+                     mb: int, on_boundary: Callable[[int, Any], None] | None = None,
                      profile_kind: str | None = None) -> tuple[Any, dict[int, float]]:
-        """Run ``layers`` on ``carry``; returns the output and, when profiling, seconds per layer."""
+        """Run ``layers`` on ``carry`` with this device's replicas; returns the output and, when
+        profiling, seconds per layer."""
         state = run.state
+        resident = run.resident[stage_key]
+        replicas = self.replicas[backend.device_index]
         prof = self.profiler if (self.profiler is not None and self.profiler.enabled and profile_kind) else None
         times: dict[int, float] = {}
         for li in layers:
             if on_boundary is not None and li != layers.start and li in state.keep:
                 on_boundary(li, carry)
+            module = replicas[li].bind(resident.layer_tensors(li))
             seed = layer_seed(state.base_seed, li, mb) if li in state.rng_layers else None
             if prof is not None:
-                prof.record_activation(li, transfer.tree_nbytes(carry))
-                _sync(worker)
-                t = time.perf_counter()
-            with self._layer_locks[li], rng_scope(seed, worker):
-                carry = functional_call(self.seq.layers[li], resident.tensors[li], (carry,))
+                prof.record_activation(li, tree_nbytes(carry))
+                backend.compute_sync()
+                started = time.perf_counter()
+            with rng_scope(seed, backend):
+                carry = module(carry)
             if prof is not None:
-                _sync(worker)
-                times[li] = time.perf_counter() - t
+                backend.compute_sync()
+                times[li] = time.perf_counter() - started
                 prof.record(profile_kind, li, times[li])
         return carry, times
 
-    def _wait_deps(self, action: Action, run: PhaseRun) -> None:
-        for dep in run.plan.dependencies(action):
-            ev = run.done.get((dep.stage_index, dep.microbatch_index))
-            if ev is not None:  # a dependency of an earlier phase has already completed
-                run.wait(ev)
+    @staticmethod
+    def _stage_key(run: ProgramRun, op: Op) -> tuple[int, int]:
+        rounds = run.program._cache.get("round_of")
+        if rounds is None:
+            rounds = run.program._cache["round_of"] = {
+                (d.stage_index, a.microbatch_index): d.round_index for d in plan_dispatches(run.plan) for a in d.computes}
+        return op.stage_index, rounds[(op.stage_index, op.microbatch_index)]
 
-    def _record(self, run: PhaseRun, worker: DeviceWorker, kind: str, action: Action, start: float, nbytes: int = 0) -> None:
-        run.intervals.append(Interval(worker.device_index, kind, action.stage_index, action.microbatch_index,
-                                      start, run.now(), nbytes))
+    def _leaves(self, carry: Any, start: int, run: ProgramRun) -> tuple[Any, list[torch.Tensor]]:
+        if start > 0:
+            return _grad_leaves(carry, self.seq.grad_keys)
+        if run.state.input_grad_positions:
+            return _grad_positions(carry, run.state.input_grad_positions)
+        return carry, []
 
-    # ------------------------------------------------------------------ action handlers
-    def _load(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
-        t = run.now()
-        spec = run.plan.stages[action.stage_index]
-        stage = self.store.upload(action.stage_index, spec.layers, worker, with_grad=spec.kind == "backward")
-        resident[action.stage_index] = stage
-        d = worker.device_index
-        run.peak_resident_bytes[d] = max(run.peak_resident_bytes[d], sum(r.nbytes for r in resident.values()))
-        self._record(run, worker, "H2D", action, t, stage.nbytes)
+    # ------------------------------------------------------------------ transfers
+    def _load(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        spec = run.plan.stages[op.stage_index]
+        layout = self.store.layout(spec.layers)
+        key = (op.stage_index, op.round_index)
+        if op.chunk_index == 0:
+            buffer = backend.empty_bytes(layout.total_bytes)
+            run.resident[key] = self.store.resident(layout, buffer, with_grad=spec.kind == "backward")
+            run.add_resident(backend.device_index, layout.total_bytes)
+        resident = run.resident[key]
+        start = op.chunk_index * run.program.chunk_bytes
+        stop = min(start + run.program.chunk_bytes, layout.total_bytes)
+        if stop > start:
+            backend.copy_chunk(self.store.chunk_pieces(layout, resident.buffer, start, stop), stop - start)
+        return max(0, stop - start)
 
-    def _begin(self, action: Action, run: PhaseRun, resident: dict, worker: DeviceWorker, pop: bool) -> tuple:
-        """Common start of a compute action: wait for its dependencies and its weights, bring its
-        input to the device. Returns ``(spec, microbatch, stage, carry, start_s)``."""
-        spec = run.plan.stages[action.stage_index]
-        m = action.microbatch_index
-        self._wait_deps(action, run)
-        stage = resident[action.stage_index]
-        self.store.ensure_ready(stage, worker)
-        key = (spec.layers.start, m)
-        carry = run.state.acts.pop(key) if pop else run.state.acts[key]
-        t = run.now()
-        carry, h2d = transfer.to_device(carry, worker)
-        if h2d:
-            self._record(run, worker, "H2D", action, t, h2d)
-        return spec, m, stage, carry, t
+    def _h2d(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        spec = run.plan.stages[op.stage_index]
+        carry = run.take_input(spec.layers.start, op.microbatch_index)
+        return backend.to_device(carry, lambda t: run.slots.__setitem__(("in", op.stage_index, op.microbatch_index), t))
 
-    def _forward(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
+    def _gh2d(self, backend: Backend, op: Op, run: ProgramRun) -> int:
         state = run.state
-        a = run.plan.stages[action.stage_index].layers.start
-        spec, m, stage, carry, t = self._begin(action, run, resident, worker, pop=a not in state.keep)
-        b = spec.layers.stop
+        spec = run.plan.stages[op.stage_index]
+        m = op.microbatch_index
+        last = spec.layers.stop == len(self.seq.layers)
+        incoming = state.final_grads[m] if last else state.grads.pop((spec.layers.stop, m))
+        return backend.to_device(incoming, lambda t: run.slots.__setitem__(("gin", op.stage_index, m), t))
 
-        def save(li: int, c: Any) -> None:
-            state.acts[(li, m)] = transfer.to_host(c, worker)[0]
-
-        with torch.no_grad(), self._autocast(worker):
-            carry, _ = self._call_layers(worker, run, stage, spec.layers, carry, m, on_boundary=save, profile_kind="forward")
-        host, _ = transfer.to_host(carry, worker)
-        if b == len(self.seq.layers):
-            state.final[m] = host
+    def _d2h(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        state = run.state
+        spec = run.plan.stages[op.stage_index]
+        m = op.microbatch_index
+        kind, payload = run.slots.pop(("out", op.stage_index, m))
+        if kind == "F":
+            def publish(host: Any) -> None:
+                out, saved = host
+                for li, carry in saved.items():
+                    state.acts[(li, m)] = carry
+                if spec.layers.stop == len(self.seq.layers):
+                    state.final[m] = out
+                else:
+                    state.acts[(spec.layers.stop, m)] = out
         else:
-            state.acts[(b, m)] = host
-        self._record(run, worker, "F", action, t, 0)
-        run.done[(action.stage_index, m)].set()
+            def publish(host: Any) -> None:
+                loss, grads = host
+                if grads is not None:
+                    state.grads[(spec.layers.start, m)] = grads
+                if loss is not None:
+                    state.final[m] = {self.seq.loss_key: loss}
+        return backend.to_host(payload, publish)
 
-    def _backward(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
-        """``B`` (recompute from the saved input, then backward with the incoming gradient) and
-        ``X`` (the fused tail: forward, loss and backward seeded with ``loss_seed``)."""
-        state = run.state
-        spec, m, stage, carry, t = self._begin(action, run, resident, worker, pop=True)
-        a, b = spec.layers.start, spec.layers.stop
-        last = b == len(self.seq.layers)
-        leaves: list[torch.Tensor] = []
-        if a > 0:
-            carry, leaves = _grad_leaves(carry, self.seq.grad_keys)
-        elif state.input_grad_positions:
-            carry, leaves = _grad_positions(carry, state.input_grad_positions)
-        if not spec.fused:
-            incoming, _ = transfer.to_device(state.final_grads[m] if last else state.grads.pop((b, m)), worker)
-        with torch.enable_grad():
-            with self._autocast(worker):
-                out, layer_s = self._call_layers(worker, run, stage, spec.layers, carry, m,
-                                                 profile_kind="forward" if spec.fused else "recompute")
-            if spec.fused:
-                loss = out[self.seq.loss_key]
-                pairs = [(loss, torch.full_like(loss, state.loss_seed))]
-            else:
-                outs = pytree.tree_leaves(out) if last else _diff_leaves(out, self.seq.grad_keys)
-                pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, incoming)
-                         if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-            tb = time.perf_counter()
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            if layer_s:  # profiling: split the backward over the stage's layers like their forward
-                _sync(worker)
-                total, whole = time.perf_counter() - tb, sum(layer_s.values()) or 1.0
-                for li, sec in layer_s.items():
-                    self.profiler.record("backward", li, total * sec / whole)
-        if leaves:
-            state.grads[(a, m)] = transfer.to_host([leaf.grad for leaf in leaves], worker)[0]
-        if spec.fused:
-            state.final[m] = transfer.to_host({self.seq.loss_key: loss.detach()}, worker)[0]
-        self._record(run, worker, action.kind.value, action, t, 0)
-        run.done[(action.stage_index, m)].set()
+    def _wd2h(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        resident = run.resident[(op.stage_index, op.round_index)]
+        pairs = [(master, view.grad) for master, view in resident.grad_pairs if view.grad is not None]
+        if not pairs:
+            return 0
+        host = backend.grads_to_host([g for _, g in pairs])
+        run.host_grads[(op.stage_index, op.round_index)] = [(master, g) for (master, _), g in zip(pairs, host)]
+        return sum(g.numel() * g.element_size() for g in host)
 
-    def _drop(self, worker: DeviceWorker, action: Action, run: PhaseRun, resident: dict) -> None:
-        stage = resident.pop(action.stage_index)
-        spec = run.plan.stages[action.stage_index]
-        if (spec.kind == "forward" or spec.fused) and stage.buffer_pairs and any(
+    def _drop(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        resident = run.resident.pop((op.stage_index, op.round_index))
+        spec = run.plan.stages[op.stage_index]
+        if (spec.kind == "forward" or spec.fused) and resident.buffer_pairs and any(
                 self.seq.layers[li].training for li in spec.layers):
-            self.store.write_back_buffers(stage)
-        if spec.kind == "backward":
-            bwd = run.plan.backward_stages
-            pos = bwd.index(spec)
-            if pos > 0 and (bwd[pos - 1].stage_index, 0) in run.done:  # the previous stage is in this phase
-                run.wait(run.committed[bwd[pos - 1].stage_index])
-            t = run.now()
-            moved = self.store.commit_grads(stage, worker, run.state.grad_sink)
-            self._record(run, worker, "D2H", action, t, moved)
-        run.committed[action.stage_index].set()
+            self.store.write_back_buffers(resident)
+        with run._lock:
+            run.resident_bytes[backend.device_index] -= resident.nbytes
+        return 0
 
+    # ------------------------------------------------------------------ compute
+    def _forward(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        spec = run.plan.stages[op.stage_index]
+        m = op.microbatch_index
+        carry = run.slots.pop(("in", op.stage_index, m))
+        saved: dict[int, Any] = {}
+        with torch.no_grad(), self._autocast(backend):
+            carry, _ = self._call_layers(backend, run, self._stage_key(run, op), spec.layers, carry, m,
+                                         on_boundary=saved.__setitem__, profile_kind="forward")
+        run.slots[("out", op.stage_index, m)] = ("F", (carry, saved))
+        return 0
 
-def _sync(worker: DeviceWorker) -> None:
-    if worker.is_cuda:
-        torch.cuda.current_stream(worker.device).synchronize()
+    def _fused(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        """``X``: forward of the last layers and the loss, then backward seeded with ``loss_seed``."""
+        spec = run.plan.stages[op.stage_index]
+        m = op.microbatch_index
+        carry, leaves = self._leaves(run.slots.pop(("in", op.stage_index, m)), spec.layers.start, run)
+        with torch.enable_grad():
+            with self._autocast(backend):
+                out, layer_s = self._call_layers(backend, run, self._stage_key(run, op), spec.layers, carry, m,
+                                                 profile_kind="forward")
+            loss = out[self.seq.loss_key]
+            self._backprop([(loss, torch.full_like(loss, run.state.loss_seed))], layer_s, backend)
+        grads = [leaf.grad for leaf in leaves] if leaves else None
+        run.slots[("out", op.stage_index, m)] = ("X", (loss.detach(), grads))
+        return 0
+
+    def _recompute(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        spec = run.plan.stages[op.stage_index]
+        m = op.microbatch_index
+        carry, leaves = self._leaves(run.slots.pop(("in", op.stage_index, m)), spec.layers.start, run)
+        with torch.enable_grad(), self._autocast(backend):
+            out, layer_s = self._call_layers(backend, run, self._stage_key(run, op), spec.layers, carry, m,
+                                             profile_kind="recompute")
+        run.slots[("graph", op.stage_index, m)] = (out, leaves, layer_s)
+        return 0
+
+    def _backward(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        spec = run.plan.stages[op.stage_index]
+        m = op.microbatch_index
+        out, leaves, layer_s = run.slots.pop(("graph", op.stage_index, m))
+        incoming = run.slots.pop(("gin", op.stage_index, m))
+        last = spec.layers.stop == len(self.seq.layers)
+        outs = pytree.tree_leaves(out) if last else _diff_leaves(out, self.seq.grad_keys)
+        pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, incoming)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        with torch.enable_grad():
+            self._backprop(pairs, layer_s, backend)
+        run.slots[("out", op.stage_index, m)] = ("B", (None, [leaf.grad for leaf in leaves] if leaves else None))
+        return 0
+
+    def _backprop(self, pairs: list, layer_s: dict[int, float], backend: Backend) -> None:
+        started = time.perf_counter()
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if layer_s:  # profiling: split the backward over the stage's layers like their forward
+            backend.compute_sync()
+            total, whole = time.perf_counter() - started, sum(layer_s.values()) or 1.0
+            for li, sec in layer_s.items():
+                self.profiler.record("backward", li, total * sec / whole)
 
 
 def _grad_leaves(carry: dict, keys: tuple[str, ...]) -> tuple[dict, list[torch.Tensor]]:

@@ -1,107 +1,211 @@
-"""Host weight store: the master weights are the model's own parameters (on the CPU); a stage's
-upload is a set of compute copies; its gradients come back into the masters' ``.grad``.
+"""Host weight store: masters, compute-dtype shadows, stage layouts and gradient write-back.
 
-Tied parameters (SmolLM2's embedding and LM head) are one master: every stage that uses it adds its
-gradient into the same ``.grad``, so the master receives the sum.
+- **Masters** are the model's own parameters (fp32, or the chosen dtype) on the CPU.
+- **Shadows**: per tensor, a host copy in the upload dtype (the compute dtype for floating-point
+  parameters, e.g. bf16 under bf16-mixed; buffers keep their dtype), pinned on CUDA, from which
+  every upload reads (paper section 3.3: uploads move compute-dtype bytes from pinned memory). A
+  shadow is refreshed from its master when the master changed (its version counter moved: the
+  optimizer step), so the frozen part (a LoRA base) is copied once. Where no copy is needed (CPU
+  virtual devices, same dtype) the master itself is the shadow.
+- **Stage layout**: a stage's unique tensors packed into one flat byte buffer (16-byte aligned),
+  uploaded in chunks of at most ``chunk_bytes`` that may cut a tensor; on the device every tensor
+  is a view into the stage's buffer.
+- **Gradients**: a backward stage's gradients come back in one flat host buffer; the host adds them
+  into the masters' ``.grad`` (or the fused path's CPU buffers) in a fixed order, so the result does
+  not depend on thread timing. Tied parameters (SmolLM2's embedding and LM head) are one master:
+  every stage that uses it adds into the same ``.grad``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
-from lightning_roundpipe.runtime import transfer
+_ALIGN = 16
+
+
+@dataclass
+class _Tensor:
+    master: torch.Tensor
+    is_param: bool
+    dtype: torch.dtype
+    shadow: torch.Tensor | None = None
+    version: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where a stage's tensors sit in its flat device buffer.
+
+    Attributes:
+        layers: the stage's layer indices.
+        tensors: unique tensor keys (``id`` of the master) in buffer order.
+        offsets: byte offset of each tensor in the buffer.
+        total_bytes: buffer size, bytes (what one ``LOAD`` of the stage moves, padding included).
+        names: per layer index, ``(name, tensor position)`` pairs for binding the replica.
+    """
+
+    layers: range
+    tensors: tuple[int, ...]
+    offsets: tuple[int, ...]
+    total_bytes: int
+    names: dict[int, tuple[tuple[str, int], ...]]
 
 
 @dataclass
 class ResidentStage:
-    """The weights of one stage on one device, from ``LOAD`` to ``DROP``.
+    """One stage's weights on one device, from its first ``LOAD`` chunk to its ``DROP``.
 
     Attributes:
-        stage_index: the stage.
-        tensors: per layer index, ``{name: compute copy}`` for ``torch.func.functional_call``.
-        grad_pairs: ``(master, copy)`` for parameters whose gradient goes back to the host.
-        ready_event: CUDA event the compute stream waits on before first use (``None`` on CPU).
-        nbytes: bytes resident on the device (H2D bytes of the upload).
+        layout: the :class:`StageLayout`.
+        buffer: the device byte buffer.
+        views: per tensor, its typed view into ``buffer``.
+        grad_pairs: ``(master, view)`` of the trainable parameters (backward stages).
+        buffer_pairs: ``(master, view)`` of buffers (BatchNorm statistics written back at ``DROP``).
+        nbytes: bytes resident on the device.
     """
 
-    stage_index: int
-    tensors: dict[int, dict[str, torch.Tensor]]
-    grad_pairs: list[tuple[torch.Tensor, torch.Tensor]]
-    ready_event: Any
-    nbytes: int
-    copies: list[torch.Tensor] = field(default_factory=list)
+    layout: StageLayout
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    grad_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     buffer_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    waited: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.total_bytes
+
+    def layer_tensors(self, layer_index: int) -> dict[str, torch.Tensor]:
+        return {name: self.views[k] for name, k in self.layout.names[layer_index]}
 
 
 class WeightStore:
-    """Uploads and gradient write-back for the layers of a :class:`LayerSequence`.
+    """Shadows, layouts and gradient write-back for the layers of a layer sequence.
 
     Args:
         layers: the layer modules (their parameters are the masters).
         compute_dtype: dtype of uploaded floating-point *parameters* (``None``: the master's dtype);
             buffers keep their dtype (e.g. rotary ``inv_freq`` stays fp32).
+        pin_memory: keep shadows in pinned host memory (CUDA), so uploads are asynchronous DMA.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, layers: Sequence[nn.Module], compute_dtype: torch.dtype | None = None,
+                 pin_memory: bool = False) -> None:
         self.layers = list(layers)
         self.compute_dtype = compute_dtype
-        # (name, master tensor, is parameter) per layer, captured once in the main thread: while a
-        # worker runs a layer through `functional_call`, that module's attributes point at the
-        # worker's copies, so they must never be read from the module during a step.
-        self.entries: list[list[tuple[str, torch.Tensor, bool]]] = []
+        self.pin_memory = pin_memory
+        self.tensors: dict[int, _Tensor] = {}
+        # (name, master key) per layer, captured once in the main thread: workers never read the modules' attributes
+        self.entries: list[list[tuple[str, int]]] = []
         for layer in self.layers:
-            params = [(n, p, True) for n, p in layer.named_parameters(remove_duplicate=False)]
-            buffers = [(n, b, False) for n, b in layer.named_buffers(remove_duplicate=False) if b is not None]
-            self.entries.append(params + buffers)
-
-    def _upload_dtype(self, t: torch.Tensor, is_param: bool) -> torch.dtype:
-        return self.compute_dtype if (is_param and self.compute_dtype and t.is_floating_point()) else t.dtype
-
-    def layer_param_bytes(self, layer_index: int) -> int:
-        """Bytes one upload of ``layer_index`` moves (parameters in the compute dtype plus buffers)."""
-        seen: dict[int, int] = {}
-        for _, t, is_param in self.entries[layer_index]:
-            seen[id(t)] = t.numel() * self._upload_dtype(t, is_param).itemsize
-        return sum(seen.values())
-
-    def upload(self, stage_index: int, layer_indices: range, worker, with_grad: bool) -> ResidentStage:
-        """``LOAD``: copy the stage's parameters and buffers to ``worker``'s device.
-
-        Args:
-            with_grad: backward stage: copies of trainable masters require grad and are returned in
-                ``grad_pairs`` for :meth:`commit_grads`.
-        """
-        by_id: dict[int, int] = {}
-        masters: list[torch.Tensor] = []
-        dtypes: list[torch.dtype] = []
-        is_param: list[bool] = []
-        names: dict[int, list[tuple[str, int]]] = {}
-        for li in layer_indices:
             entries = []
-            for name, t, param in self.entries[li]:
-                k = by_id.get(id(t))
-                if k is None:
-                    k = by_id[id(t)] = len(masters)
-                    masters.append(t)
-                    is_param.append(param)
-                    dtypes.append(self._upload_dtype(t, param))
-                entries.append((name, k))
-            names[li] = entries
-        copies, ready, nbytes = transfer.upload_tensors(masters, dtypes, worker)
-        grad_pairs = []
-        if with_grad:
-            for m, c, param in zip(masters, copies, is_param):
-                if param and m.requires_grad:
-                    c.requires_grad_(True)
-                    grad_pairs.append((m, c))
-        tensors = {li: {name: copies[k] for name, k in entries} for li, entries in names.items()}
-        buffer_pairs = [(m, c) for m, c, param in zip(masters, copies, is_param) if not param]
-        return ResidentStage(stage_index, tensors, grad_pairs, ready, nbytes, copies, buffer_pairs)
+            named = [(n, p, True) for n, p in layer.named_parameters(remove_duplicate=False)]
+            named += [(n, b, False) for n, b in layer.named_buffers(remove_duplicate=False) if b is not None]
+            for name, tensor, is_param in named:
+                key = id(tensor)
+                if key not in self.tensors:
+                    dtype = compute_dtype if (is_param and compute_dtype and tensor.is_floating_point()) else tensor.dtype
+                    self.tensors[key] = _Tensor(tensor, is_param, dtype)
+                entries.append((name, key))
+            self.entries.append(entries)
+        self._layouts: dict[range, StageLayout] = {}
+
+    # ------------------------------------------------------------------ shadows
+    def _needs_copy(self, entry: _Tensor) -> bool:
+        return self.pin_memory or entry.dtype != entry.master.dtype or not entry.master.is_contiguous()
+
+    def refresh(self) -> int:
+        """Bring every shadow up to date with its master (after an optimizer step, a checkpoint load).
+
+        Returns:
+            Bytes copied (0 when nothing changed: frozen weights are copied once).
+        """
+        copied = 0
+        for entry in self.tensors.values():
+            master = entry.master.detach()
+            if not self._needs_copy(entry):
+                entry.shadow = master
+                continue
+            version = (master.data_ptr(), master._version)
+            if entry.shadow is not None and entry.version == version:
+                continue
+            if entry.shadow is None or entry.shadow.shape != master.shape:
+                entry.shadow = torch.empty(master.shape, dtype=entry.dtype, pin_memory=self.pin_memory)
+            entry.shadow.copy_(master)
+            entry.version = version
+            copied += entry.shadow.numel() * entry.shadow.element_size()
+        return copied
+
+    def host_bytes(self, key: int) -> torch.Tensor:
+        """The shadow of tensor ``key`` as a flat ``uint8`` view."""
+        shadow = self.tensors[key].shadow
+        if shadow is None:
+            raise RuntimeError("RoundPipe weight store used before `refresh()`.")
+        return shadow.reshape(-1).view(torch.uint8)
+
+    # ------------------------------------------------------------------ layouts
+    def layout(self, layers: range) -> StageLayout:
+        """The flat layout of the stage over ``layers`` (cached)."""
+        got = self._layouts.get(layers)
+        if got is not None:
+            return got
+        keys: list[int] = []
+        position: dict[int, int] = {}
+        names: dict[int, tuple[tuple[str, int], ...]] = {}
+        for li in layers:
+            pairs = []
+            for name, key in self.entries[li]:
+                if key not in position:
+                    position[key] = len(keys)
+                    keys.append(key)
+                pairs.append((name, position[key]))
+            names[li] = tuple(pairs)
+        offsets, total = [], 0
+        for key in keys:
+            entry = self.tensors[key]
+            offsets.append(total)
+            total += -(-entry.master.numel() * entry.dtype.itemsize // _ALIGN) * _ALIGN
+        got = self._layouts[layers] = StageLayout(layers, tuple(keys), tuple(offsets), total, names)
+        return got
+
+    def stage_bytes(self, layers: range) -> int:
+        """Bytes one upload of the stage moves (compute-dtype parameters, buffers, padding)."""
+        return self.layout(layers).total_bytes
+
+    def stage_grad_bytes(self, layers: range) -> int:
+        """Bytes of the stage's trainable parameters' gradients (in the upload dtype)."""
+        layout = self.layout(layers)
+        return sum(self.tensors[k].master.numel() * self.tensors[k].dtype.itemsize for k in layout.tensors
+                   if self.tensors[k].is_param and self.tensors[k].master.requires_grad)
+
+    def chunk_pieces(self, layout: StageLayout, buffer: torch.Tensor, start: int, stop: int
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(device bytes, host bytes)`` pieces that fill ``buffer[start:stop]``."""
+        pieces = []
+        for key, offset in zip(layout.tensors, layout.offsets):
+            src = self.host_bytes(key)
+            lo, hi = max(start, offset), min(stop, offset + src.numel())
+            if lo < hi:
+                pieces.append((buffer[lo:hi], src[lo - offset:hi - offset]))
+        return pieces
+
+    def resident(self, layout: StageLayout, buffer: torch.Tensor, with_grad: bool) -> ResidentStage:
+        """Typed views of a stage's device buffer (the replica's parameters and buffers)."""
+        views, grad_pairs, buffer_pairs = [], [], []
+        for key, offset in zip(layout.tensors, layout.offsets):
+            entry = self.tensors[key]
+            nbytes = entry.master.numel() * entry.dtype.itemsize
+            view = buffer[offset:offset + nbytes].view(entry.dtype).view(entry.master.shape)
+            if entry.is_param and with_grad and entry.master.requires_grad:
+                view.requires_grad_(True)
+                grad_pairs.append((entry.master, view))
+            elif not entry.is_param:
+                buffer_pairs.append((entry.master, view))
+            views.append(view)
+        return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs)
 
     @staticmethod
     def write_back_buffers(resident: ResidentStage) -> None:
@@ -110,40 +214,22 @@ class WeightStore:
         Called at the ``DROP`` of forward stages and of the fused tail in training mode: each layer's
         buffers are updated by exactly one stage per step (recomputation works on throw-away copies).
         """
-        for master, copy in resident.buffer_pairs:
-            master.copy_(copy.to(master.device))
-
-    def ensure_ready(self, resident: ResidentStage, worker) -> None:
-        """Before the first compute of a stage: wait for its (possibly prefetched) upload."""
-        if not resident.waited:
-            transfer.wait_ready(resident.ready_event, resident.copies, worker)
-            resident.waited = True
+        for master, view in resident.buffer_pairs:
+            master.copy_(view)
 
     @staticmethod
-    def commit_grads(resident: ResidentStage, worker, sink: dict | None = None) -> int:
-        """``DROP`` of a backward stage: add each copy's gradient into its master's ``.grad``, or into
-        ``sink[id(master)] = (master, grad)`` (the fused path's CPU gradient buffers).
-
-        Gradients are cast to the master's dtype (fp32 for ``32-true`` and ``bf16-mixed``).
-
-        Returns:
-            D2H bytes moved.
-        """
-        moved = 0
-        for master, copy in resident.grad_pairs:
-            g = copy.grad
-            if g is None:
-                continue
-            g = transfer.grad_to_host(g, master.dtype, worker)
-            moved += g.numel() * g.element_size()
+    def add_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], sink: dict | None) -> None:
+        """Add host gradients into ``master.grad`` (cast to the master's dtype), or into
+        ``sink[id(master)] = (master, grad)`` (the fused path's CPU gradient buffers)."""
+        for master, grad in pairs:
+            grad = grad.to(master.dtype)
             if sink is not None:
                 entry = sink.get(id(master))
                 if entry is None:
-                    sink[id(master)] = (master, g)
+                    sink[id(master)] = (master, grad if grad.data_ptr() else grad.clone())
                 else:
-                    entry[1].add_(g)
+                    entry[1].add_(grad)
             elif master.grad is None:
-                master.grad = g
+                master.grad = grad
             else:
-                master.grad.add_(g)
-        return moved
+                master.grad.add_(grad)

@@ -8,7 +8,6 @@ validation error, like ``torch.distributed.pipelining``'s schedule printout).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
@@ -90,7 +89,7 @@ class ExecutionPlan:
         return tuple(s for s in self.stages if s.kind == "backward")
 
     def device_of(self, stage_index: int) -> int:
-        """The device whose list holds ``stage_index``'s compute actions.
+        """The device whose list holds ``stage_index``'s first compute action (its first round).
 
         Raises:
             KeyError: the stage has no compute action in the plan.
@@ -150,7 +149,8 @@ class ExecutionPlan:
         Checks: stage indices match positions; forward stages tile layers ``0..L-1`` in order and
         backward stages tile the same layers from the end (when both are present); every
         (stage, microbatch) runs exactly once with the stage's compute kind; each stage's compute
-        sits on one device between exactly one ``LOAD`` and one ``DROP`` there; no device holds more
+        sits between a ``LOAD`` and a ``DROP`` of that stage on its device (a stage may be dispatched
+        again, to any device, in a later microbatch round); no device holds more
         than ``max_resident_stages`` stages at once; and the data dependencies can be met (no deadlock
         when every device walks its list in order).
 
@@ -191,11 +191,8 @@ class ExecutionPlan:
         if self.num_microbatches < 1:
             problems.append(f"`num_microbatches` must be >= 1, got {self.num_microbatches}")
         seen: dict[tuple[int, int], int] = {}
-        stage_device: dict[int, set[int]] = defaultdict(set)
         for d, acts in enumerate(self.actions):
             resident: list[int] = []
-            loaded_here: set[int] = set()
-            dropped_here: set[int] = set()
             peak = 0
             for a in acts:
                 if a.stage_index >= len(self.stages):
@@ -203,9 +200,8 @@ class ExecutionPlan:
                     continue
                 spec = self.stages[a.stage_index]
                 if a.kind is ActionKind.LOAD:
-                    if a.stage_index in loaded_here:
-                        problems.append(f"device {d}: stage {a.stage_index} loaded twice")
-                    loaded_here.add(a.stage_index)
+                    if a.stage_index in resident:
+                        problems.append(f"device {d}: stage {a.stage_index} loaded again while it is resident")
                     resident.append(a.stage_index)
                     peak = max(peak, len(resident))
                 elif a.kind is ActionKind.DROP:
@@ -213,9 +209,7 @@ class ExecutionPlan:
                         problems.append(f"device {d}: `{a}` releases weights that are not loaded")
                     else:
                         resident.remove(a.stage_index)
-                    dropped_here.add(a.stage_index)
                 else:
-                    stage_device[a.stage_index].add(d)
                     if a.kind is not spec.compute_kind and a.kind is not ActionKind.W:
                         problems.append(f"device {d}: `{a}` has kind {a.kind.value}; {spec.describe()} runs {spec.compute_kind.value}")
                     if a.stage_index not in resident:
@@ -233,8 +227,6 @@ class ExecutionPlan:
         for s in self.stages:
             if s.stage_index not in present:
                 continue
-            if len(stage_device[s.stage_index]) > 1:
-                problems.append(f"{s.describe()} runs on several devices {sorted(stage_device[s.stage_index])}")
             for m in range(self.num_microbatches):
                 n = seen.get((s.stage_index, m), 0)
                 if n != 1:

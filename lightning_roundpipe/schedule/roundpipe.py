@@ -62,47 +62,70 @@ def build_roundpipe_plan(
     num_microbatches: int,
     cursor: int = 0,
     prefetch: bool = True,
+    microbatches_per_round: int | None = None,
 ) -> ExecutionPlan:
     """Build and validate the round-robin plan.
 
     Args:
         stages: from :func:`build_stages`, in plan order.
         num_devices: number of devices ``D`` (>= 1).
-        num_microbatches: microbatches ``M`` per step (>= 1); each device runs ``0..M-1`` in order.
+        num_microbatches: microbatches ``M`` per step (>= 1); each device runs its stage's
+            microbatches in ascending order.
         cursor: device of stage 0; pass the previous plan's ``next_cursor`` to continue the rotation.
         prefetch: issue ``LOAD`` of a device's next stage before computing its current one (double
             buffering: at most two stages resident per device).
+        microbatches_per_round: dispatch the microbatches in rounds of at most this many (paper
+            section 3 and its artifact: rounds of ``D``): round ``r`` runs every stage on
+            microbatches ``r * P .. r * P + P - 1``, stage ``k`` of round ``r`` on device
+            ``(cursor + r * S + k) mod D`` (``S`` stages), so the rotation simply continues and the
+            next round starts on the first device to become free. ``None``: one round of all
+            ``M`` (every stage is loaded once per step). ``K`` training steps back to back without
+            an optimizer barrier are the same plan with ``K * M`` microbatches in rounds of ``M``
+            (or fewer).
 
     Returns:
         A validated :class:`ExecutionPlan`; ``plan_next_cursor(plan)`` gives the cursor for the next call.
 
     Raises:
-        ValueError: for ``num_devices`` or ``num_microbatches`` below 1, or an empty ``stages``.
+        ValueError: for ``num_devices``, ``num_microbatches`` or ``microbatches_per_round`` below 1,
+            or an empty ``stages``.
     """
     if not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"`num_devices` must be a positive int, got {num_devices!r}.")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"`num_microbatches` must be a positive int, got {num_microbatches!r}.")
+    if microbatches_per_round is not None and (not isinstance(microbatches_per_round, int)
+                                               or isinstance(microbatches_per_round, bool) or microbatches_per_round < 1):
+        raise ValueError(f"`microbatches_per_round` must be a positive int or None (one round), got {microbatches_per_round!r}.")
     if not stages:
         raise ValueError("`stages` is empty: a plan needs at least one stage.")
-    per_device: list[list[StageSpec]] = [[] for _ in range(num_devices)]
-    for k, spec in enumerate(stages):
-        per_device[(cursor + k) % num_devices].append(spec)
+    per_round = microbatches_per_round or num_microbatches
+    # dispatches in execution order: (stage, microbatches of its round), device of each
+    per_device: list[list[tuple[StageSpec, range]]] = [[] for _ in range(num_devices)]
+    slot = cursor
+    for first in range(0, num_microbatches, per_round):
+        mbs = range(first, min(first + per_round, num_microbatches))
+        for spec in stages:
+            per_device[slot % num_devices].append((spec, mbs))
+            slot += 1
     actions: list[tuple[Action, ...]] = []
-    for specs in per_device:
+    for dispatches in per_device:
         acts: list[Action] = []
-        if specs and prefetch:
-            acts.append(Action(specs[0].stage_index, ActionKind.LOAD))
-        for i, spec in enumerate(specs):
+        if dispatches and prefetch:
+            acts.append(Action(dispatches[0][0].stage_index, ActionKind.LOAD))
+        for i, (spec, mbs) in enumerate(dispatches):
             if not prefetch:
                 acts.append(Action(spec.stage_index, ActionKind.LOAD))
-            elif i + 1 < len(specs):
-                acts.append(Action(specs[i + 1].stage_index, ActionKind.LOAD))
-            acts.extend(Action(spec.stage_index, spec.compute_kind, m) for m in range(num_microbatches))
+            elif i + 1 < len(dispatches):
+                acts.append(Action(dispatches[i + 1][0].stage_index, ActionKind.LOAD))
+            acts.extend(Action(spec.stage_index, spec.compute_kind, m) for m in mbs)
             acts.append(Action(spec.stage_index, ActionKind.DROP))
         actions.append(tuple(acts))
     plan = ExecutionPlan(tuple(stages), tuple(actions), num_microbatches, max_resident_stages=2 if prefetch else 1)
-    plan._meta["next_cursor"] = (cursor + len(stages)) % num_devices
+    plan._meta["next_cursor"] = slot % num_devices
+    plan._meta["cursor"] = cursor % num_devices
+    plan._meta["builder"] = dict(stages=tuple(stages), num_devices=num_devices, num_microbatches=num_microbatches,
+                                 cursor=cursor, prefetch=prefetch, microbatches_per_round=microbatches_per_round)
     return plan.validate()
 
 

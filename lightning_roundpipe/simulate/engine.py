@@ -1,25 +1,33 @@
-"""Discrete-event simulator: an :class:`ExecutionPlan` timed with a cost model.
+"""Discrete-event simulator of a :class:`~lightning_roundpipe.schedule.program.StreamProgram`.
 
-The same plan the runtime executes is driven here by per-action costs (RoundPipe paper, arXiv
-2604.27085, section 5.4 "simulation"; DESIGN.md section 3 "one plan, two consumers"):
+One program, two consumers (DESIGN.md sections 3 and 9): the runtime's backends walk the stream
+lists of :func:`~lightning_roundpipe.schedule.lower.lower`; this module times exactly the same
+lists with a cost model (RoundPipe paper, arXiv 2604.27085, section 3.3 for the streams and section
+5.4 for the simulation) and returns the same :class:`~lightning_roundpipe.metrics.Timeline` type.
+It never models what the program does not contain: no reordering, no preemption, no hoisting.
 
-- **Devices** walk their action lists strictly in order (never reordering), one compute at a time.
-  ``LOAD``/``DROP`` are issued when the list reaches them (right after the previous compute ends), so
-  a ``LOAD`` listed before the current stage's computes is a prefetch (double buffering).
-- **Compute** costs come from :class:`LayerProfile` s: ``F`` = sum of ``forward_s``; ``X`` (fused
-  tail) = sum of ``forward_s + backward_s`` (never recomputed); ``B`` = sum of ``backward_s``, plus
-  the recomputation (sum of ``forward_s``) when the plan recomputes (RoundPipe always; baselines
-  when built with ``recompute=True``). The LM head (the sequence's last layer) is never recomputed.
-  A RoundPipe ``B`` recomputes from its saved stage input as soon as the device is free; only its
-  backward part waits for the incoming gradient. A bound baseline recomputes after the gradient
-  arrives (autograd checkpointing). With ``W`` actions (ZB-H1) a stage's backward splits into
-  ``B`` = ``(1 - weight_grad_fraction) x backward_s`` and ``W`` = ``weight_grad_fraction x backward_s``.
-- **Links**: every device has an H2D and a D2H link (PCIe one way each). An activation hop between
-  devices is a D2H on the producer's link, then an H2D on the consumer's link (GPU -> CPU -> GPU).
-  Weight uploads (``LOAD``: sum of ``param_bytes`` / H2D) and gradient downloads (``DROP`` of a
-  backward stage: sum of ``grad_bytes`` / D2H) share those links at lower priority: activation
-  copies preempt them (weights move in chunks), as in the paper's priority-aware transfers.
-  Bound baselines keep their weights resident (``LOAD``/``DROP`` cost nothing).
+- **Streams**: every ``(device, stream)`` is a queue walked strictly in order. An op starts when its
+  stream predecessor has finished, every op of ``program.deps[op]`` has finished, and its resource
+  is free.
+- **Resources** per device: one compute unit (the ``compute`` stream); one H2D link shared by the
+  ``weights`` and ``h2d`` streams, one transfer at a time, the ``h2d`` head first when both heads
+  are ready (activations before weights), never preempted inside a ``LOAD`` chunk (chunking is the
+  granularity); one D2H link (the ``d2h`` stream).
+- **Compute** (seconds, from :class:`LayerProfile` s of the stage's layers): ``F`` = sum of
+  ``forward_s``; ``X`` (fused tail) = sum of ``forward_s + backward_s``; ``R`` (recompute) = sum of
+  ``forward_s`` over every layer of the stage (the runtime recomputes all of them), except that a
+  bound baseline (``_meta["weight_binding"]``, simulated only) keeps the LM head's activations
+  (the sequence's last layer is not recomputed, as in Megatron-LM and the paper's artifact); ``B``
+  = sum of ``backward_s``, times ``1 - weight_grad_fraction`` when the stage has ``W`` ops (ZB-H1),
+  whose ``W`` = ``weight_grad_fraction`` x sum of ``backward_s``.
+- **Transfers** (bytes / (bytes/s)): ``LOAD`` chunk = ``op.nbytes`` / ``h2d_bytes_per_s``, and
+  ``WD2H`` = ``op.nbytes`` / ``d2h_bytes_per_s``; free without ``hardware``. Activations
+  (``H2D``, ``GH2D``, ``D2H``) move the ``activation_bytes`` of the layer boundary they cross over
+  the link's rate; with ``comm_s_per_hop`` (seconds per GPU -> host -> GPU hop) each end of a hop
+  (a ``D2H`` some upload waits for, an upload that waits for a ``D2H``) costs half of it and a
+  transfer with the host alone (the batch, the loss seed, the last input gradient) costs nothing;
+  with neither, activations are free. A transfer on the H2D link that starts while the D2H link is
+  busy runs at ``duplex_h2d_bytes_per_s`` (for its whole length). ``DROP`` costs nothing.
 
 Pure Python: no torch, no Lightning, no devices.
 """
@@ -27,29 +35,31 @@ Pure Python: no torch, no Lightning, no devices.
 from __future__ import annotations
 
 import heapq
-import itertools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
 from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile
-from lightning_roundpipe.schedule.ir import Action, ActionKind
-from lightning_roundpipe.schedule.plan import ExecutionPlan, StageSpec
-from lightning_roundpipe.simulate.iterations import _concatenate, _iteration_plans, roundpipe_rounds
+from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES, RECOMPUTE_MODES, lower
+from lightning_roundpipe.schedule.plan import ExecutionPlan
+from lightning_roundpipe.schedule.program import STREAMS, Op, OpKind, StreamProgram
+from lightning_roundpipe.schedule.roundpipe import build_roundpipe_plan
 
-__all__ = ["SimulationResult", "roundpipe_rounds", "simulate"]
+__all__ = ["SimulationResult", "simulate", "simulate_program"]
 
-_ACT, _BULK = 0, 1  # link priorities: activation copies first, then weights and gradients
-_Node = tuple[int, Action]  # (iteration, action)
+_WEIGHTS, _H2D, _COMPUTE, _D2H = (STREAMS.index(name) for name in ("weights", "h2d", "compute", "d2h"))
+_UPLOADS = (OpKind.H2D, OpKind.GH2D)
+_ACTIVATIONS = (OpKind.H2D, OpKind.GH2D, OpKind.D2H)
 
 
 @dataclass(frozen=True)
 class SimulationResult:
-    """What :func:`simulate` returns.
+    """What :func:`simulate` and :func:`simulate_program` return.
 
     Attributes:
-        timeline: per-device busy intervals (compute ``F``/``X``/``B``/``W``, transfers ``H2D``/``D2H``)
-            in seconds from the measured window's start; ``timeline.wall_s`` is the window length.
+        timeline: one interval per op of nonzero duration (compute ``F``/``X``/``R``/``B``/``W``,
+            transfers ``H2D``/``D2H``; ``stream`` and ``label`` name the op), seconds from the
+            measured window's start; ``timeline.wall_s`` is the window length.
         iteration_s: wall time of one iteration (training step), seconds. In steady state, the
             mean period between the starts of consecutive iterations.
         idle_pct: per device, percent (0..100) of the measured window it did not compute (bubble).
@@ -66,484 +76,448 @@ class SimulationResult:
     num_iterations: int = 1
 
 
-@dataclass
-class _Transfer:
-    remaining_s: float  # at the link's nominal rate
-    priority: int
-    kind: str  # "H2D" | "D2H"
-    stage_index: int
-    microbatch_index: int | None
-    nbytes: int
-    total_s: float
-    on_done: Callable[[float], None]
-    seq: int = 0
+# ---------------------------------------------------------------------------------------- costs
+class _CostModel:
+    """Durations (s) and bytes of the program's ops (see the module docstring)."""
 
+    def __init__(self, program: StreamProgram, profiles: Sequence[LayerProfile], hardware: HardwareModel | None,
+                 comm_s_per_hop: float | None, weight_grad_fraction: float) -> None:
+        plan = program.plan
+        self.hardware, self.comm_s_per_hop, self.weight_grad_fraction = hardware, comm_s_per_hop, weight_grad_fraction
+        self.stages = plan.stages
+        self.activation_bytes = [p.activation_bytes for p in profiles]
+        self.last_layer = len(profiles) - 1
+        self.forward_s = [sum(profiles[i].forward_s for i in spec.layers) for spec in plan.stages]
+        # bound baselines (never executed by the runtime) keep the LM head's activations, as Megatron-LM
+        # and the paper's artifact do; the runtime never recomputes it either (it sits in the fused tail)
+        head = max((spec.layers.stop for spec in plan.stages), default=0) - 1
+        bound = bool(plan._meta.get("weight_binding", False))
+        self.recompute_s = [sum(profiles[i].forward_s for i in spec.layers if not (bound and i == head))
+                            for spec in plan.stages]
+        self.backward_s = [sum(profiles[i].backward_s for i in spec.layers) for spec in plan.stages]
+        self.split_stages = {op.stage_index for per in program.streams for op in per["compute"] if op.kind is OpKind.W}
+        self.hop_ends: set[Op] = set()
+        if comm_s_per_hop is not None:
+            for consumer, producers in program.deps.items():
+                if consumer.kind in _UPLOADS:
+                    for producer in producers:
+                        if producer.kind is OpKind.D2H:
+                            self.hop_ends.update((consumer, producer))
 
-class _Link:
-    """One direction of one device's host link: a server with preemptive priorities."""
+    def compute_s(self, op: Op) -> float:
+        stage = op.stage_index
+        kind = op.kind
+        if kind is OpKind.F:
+            return self.forward_s[stage]
+        if kind is OpKind.R:
+            return self.recompute_s[stage]
+        if kind is OpKind.X:
+            return self.forward_s[stage] + self.backward_s[stage]
+        if kind is OpKind.W:
+            return self.weight_grad_fraction * self.backward_s[stage]
+        share = 1.0 - self.weight_grad_fraction if stage in self.split_stages else 1.0
+        return share * self.backward_s[stage]
 
-    def __init__(self, sim: "_Sim", device: int, kind: str, preempt: bool) -> None:
-        self.sim, self.device, self.kind, self.preempt = sim, device, kind, preempt
-        self.queue: list[tuple[int, int, _Transfer]] = []
-        self.cur: _Transfer | None = None
-        self.seg_start = 0.0
-        self.speed = 1.0
-        self.token = 0
+    def transfer_bytes(self, op: Op) -> int:
+        """Bytes ``op`` moves: ``op.nbytes`` when the lowering knows them, else the activation at the
+        layer boundary the op crosses."""
+        if op.nbytes is not None:
+            return int(op.nbytes)
+        if op.kind is OpKind.DROP:
+            return 0
+        layers = self.stages[op.stage_index].layers
+        if op.kind is OpKind.H2D:
+            boundary = layers.start  # the stage's input (or the saved input it recomputes from)
+        elif op.kind is OpKind.GH2D or self.stages[op.stage_index].kind == "forward":
+            boundary = layers.stop  # gradient of, or activation at, the stage's output
+        else:
+            boundary = layers.start  # input gradient of a backward stage
+        return self.activation_bytes[min(boundary, self.last_layer)]
 
-    @property
-    def busy(self) -> bool:
-        return self.cur is not None
-
-    def submit(self, xfer: _Transfer) -> None:
-        now = self.sim.now
-        if xfer.remaining_s <= 0.0:
-            xfer.on_done(now)
-            return
-        xfer.seq = next(self.sim.seq)
-        heapq.heappush(self.queue, (xfer.priority, xfer.seq, xfer))
-        if self.cur is not None and self.preempt and xfer.priority < self.cur.priority:
-            self._stop(now)
-            heapq.heappush(self.queue, (self.cur.priority, self.cur.seq, self.cur))
-            self.cur = None
-        if self.cur is None:
-            self._start_next(now)
-
-    def _stop(self, now: float) -> None:
-        cur = self.cur
-        served = (now - self.seg_start) * self.speed
-        self._record(cur, self.seg_start, now, served)
-        cur.remaining_s = max(0.0, cur.remaining_s - served)
-        self.token += 1  # invalidate the pending completion event
-
-    def _record(self, x: _Transfer, start: float, end: float, served_s: float) -> None:
-        if end > start:
-            share = served_s / x.total_s if x.total_s > 0 else 1.0
-            self.sim.intervals.append(
-                Interval(self.device, x.kind, x.stage_index, x.microbatch_index, start, end, int(round(x.nbytes * share)))
-            )
-
-    def _start_next(self, now: float) -> None:
-        if not self.queue:
-            return
-        _, _, x = heapq.heappop(self.queue)
-        self.cur, self.seg_start = x, now
-        self.speed = self.sim.h2d_speed(self.device) if self.kind == "H2D" else 1.0
-        self.token += 1
-        token = self.token
-        self.sim.at(now + x.remaining_s / self.speed, lambda t: self._finish(token, t))
-
-    def _finish(self, token: int, now: float) -> None:
-        if token != self.token or self.cur is None:
-            return
-        x, self.cur = self.cur, None
-        self._record(x, self.seg_start, now, x.remaining_s)
-        x.remaining_s = 0.0
-        self._start_next(now)
-        x.on_done(now)
-
-
-@dataclass
-class _Dev:
-    actions: list[_Node]
-    pos: int = 0
-    busy: bool = False
-    phase: int = 0  # 0: before the recompute part, 1: before the main part
-
-
-class _Sim:
-    """The event loop over one or more iterations of a plan."""
-
-    def __init__(self, plans: list[ExecutionPlan], lists: list[list[_Node]], profiles: Sequence[LayerProfile],
-                 hardware: HardwareModel | None, comm_s_per_hop: float | None, recompute: bool,
-                 activation_priority: bool, weight_grad_fraction: float) -> None:
-        self.plans, self.profiles, self.hw, self.comm = plans, profiles, hardware, comm_s_per_hop
-        self.recompute, self.wfrac = recompute, weight_grad_fraction
-        self.bound = bool(plans[0]._meta.get("weight_binding", False))
-        self.num_layers = len(profiles)
-        self.now = 0.0
-        self.seq = itertools.count()
-        self.events: list[tuple[float, int, Callable[[float], None]]] = []
-        self.intervals: list[Interval] = []
-        n_dev = len(lists)
-        self.devs = [_Dev(list(acts)) for acts in lists]
-        self.h2d = [_Link(self, d, "H2D", activation_priority) for d in range(n_dev)]
-        self.d2h = [_Link(self, d, "D2H", activation_priority) for d in range(n_dev)]
-        self.act_prio = _ACT
-        self.bulk_prio = _BULK if activation_priority else _ACT
-        self.on_dev: dict[tuple[_Node, int], float] = {}  # (producer node, device) -> arrival time
-        self.loaded: set[tuple[int, int, int]] = set()  # (iteration, stage, device)
-        self.saved_on: set[tuple[_Node, int]] = set()  # (B node, device): saved stage input uploaded
-        self.saved_requested: set[_Node] = set()
-        self.cpu_ready: set[_Node] = set()
-        self.waiting_cpu: dict[_Node, list[Callable[[], None]]] = {}
-        self.first_start: dict[int, float] = {}
-        self.done = 0
-        self.dirty: set[int] = set()
-        self._phase_cache: dict[tuple[int, int, ActionKind], tuple[float, float]] = {}
-        self.total = sum(1 for acts in lists for _, a in acts if a.kind.is_compute)
-        self._index(lists)
-
-    # ------------------------------------------------------------------ setup
-    def _index(self, lists: list[list[_Node]]) -> None:
-        self.device_of: dict[_Node, int] = {}
-        by_key: dict[tuple[int, int, ActionKind, int | None], _Node] = {}
-        for d, acts in enumerate(lists):
-            for node in acts:
-                it, a = node
-                if a.kind.is_compute:
-                    self.device_of[node] = d
-                    by_key[(it, a.stage_index, a.kind, a.microbatch_index)] = node
-        self.deps: dict[_Node, tuple[_Node, ...]] = {}
-        self.consumers: dict[_Node, set[int]] = {}
-        self.saved_src: dict[_Node, _Node] = {}
-        self.saved_at: dict[_Node, list[int]] = {}  # F node -> boundaries (layer index) it saves
-        self.w_stages = [{a.stage_index for acts in p.actions for a in acts if a.kind is ActionKind.W} for p in self.plans]
-        templates: dict[tuple[int, int, ActionKind], tuple[tuple[int, ActionKind], ...] | None] = {}
-        for node, d in self.device_of.items():
-            it, a = node
-            plan = self.plans[it]
-            m = a.microbatch_index
-            key = (id(plan), a.stage_index, a.kind)
-            if key not in templates:  # dependencies keep the microbatch: one template per stage and kind
-                got = plan.dependencies(a)
-                templates[key] = (tuple((x.stage_index, x.kind) for x in got)
-                                  if all(x.microbatch_index == m for x in got) else None)
-            tpl = templates[key]
-            keys = ([(it, x.stage_index, x.kind, x.microbatch_index) for x in plan.dependencies(a)] if tpl is None
-                    else [(it, si, k, m) for si, k in tpl])
-            for key_ in keys:
-                if key_ not in by_key:
-                    raise ValueError(f"Plan action `{a}` depends on `{Action(*key_[1:])}`, which no device runs."
-                                     " HINT: run `plan.validate()`.")
-            deps = tuple(by_key[key_] for key_ in keys)
-            self.deps[node] = deps
-            for dep in deps:
-                if self.device_of[dep] != d:
-                    self.consumers.setdefault(dep, set()).add(d)
-            spec = plan.stages[a.stage_index]
-            if a.kind is ActionKind.B and self._early_recompute() and spec.layers.start > 0:
-                src = _forward_stage_of(plan, spec.layers.start - 1)
-                if src is not None:
-                    fnode = (it, Action(src.stage_index, ActionKind.F, a.microbatch_index))
-                    if fnode in self.device_of:
-                        self.saved_src[node] = fnode
-                        self.saved_at.setdefault(fnode, []).append(spec.layers.start)
-
-    def _early_recompute(self) -> bool:
-        return self.recompute and not self.bound
-
-    # ------------------------------------------------------------------ costs
-    def _act_bytes(self, boundary: int) -> int:
-        return self.profiles[min(boundary, self.num_layers - 1)].activation_bytes
-
-    def _act_s(self, nbytes: int, kind: str) -> float:
-        if self.comm is not None:
-            return self.comm / 2.0
-        if self.hw is None:
+    def fixed_transfer_s(self, op: Op) -> float | None:
+        """Seconds of a transfer that does not depend on the link's state, ``None`` when it is
+        bytes over the link's rate at its start."""
+        if op.kind is OpKind.DROP:
             return 0.0
-        return nbytes / (self.hw.h2d_bytes_per_s if kind == "H2D" else self.hw.d2h_bytes_per_s)
+        if op.kind in _ACTIVATIONS:
+            if self.comm_s_per_hop is not None:
+                return self.comm_s_per_hop / 2.0 if op in self.hop_ends else 0.0
+        if self.hardware is None:
+            return 0.0
+        return None
 
-    def h2d_speed(self, device: int) -> float:
-        if self.hw is None or not self.d2h[device].busy:
-            return 1.0
-        return self.hw.duplex_h2d_bytes_per_s / self.hw.h2d_bytes_per_s
 
-    def _phases(self, node: _Node) -> tuple[float, float]:
-        """(recompute part that needs only the saved input, part that needs the dependencies), s."""
-        it, a = node
-        key = (id(self.plans[it]), a.stage_index, a.kind)
-        got = self._phase_cache.get(key)
-        if got is None:
-            got = self._phase_cache[key] = self._phases_uncached(node)
-        return got
+# ---------------------------------------------------------------------------------------- engine
+@dataclass
+class _Run:
+    """Raw result of one run: per op (by position in ``ops``) device, stream, start and end (s), bytes."""
 
-    def _phases_uncached(self, node: _Node) -> tuple[float, float]:
-        it, a = node
-        spec = self.plans[it].stages[a.stage_index]
-        layers = [self.profiles[i] for i in spec.layers]
-        fwd = sum(p.forward_s for p in layers)
-        bwd = sum(p.backward_s for p in layers)
-        if a.kind is ActionKind.F:
-            return 0.0, fwd
-        if a.kind is ActionKind.X:
-            return 0.0, fwd + bwd
-        split = spec.stage_index in self.w_stages[it]
-        if a.kind is ActionKind.W:
-            return 0.0, bwd * self.wfrac
-        main = bwd * (1.0 - self.wfrac) if split else bwd
-        rec = 0.0
-        if self.recompute:
-            rec = sum(self.profiles[i].forward_s for i in spec.layers if i != self.num_layers - 1)
-        return (rec, main) if self._early_recompute() else (0.0, rec + main)
+    ops: list[Op]
+    devices: list[int]
+    streams: list[int]
+    start_s: list[float]
+    end_s: list[float]
+    nbytes: list[int]
 
-    # ------------------------------------------------------------------ events
-    def at(self, t: float, fn: Callable[[float], None]) -> None:
-        heapq.heappush(self.events, (t, next(self.seq), fn))
 
-    def run(self) -> None:
-        self.dirty.update(range(len(self.devs)))
+#: Resources of a device, by index, and the streams each serves in priority order.
+_LINK_IN, _UNIT, _LINK_OUT = 0, 1, 2
+_SERVES = ((_UNIT, (_COMPUTE,)), (_LINK_OUT, (_D2H,)), (_LINK_IN, (_H2D, _WEIGHTS)))
+_RESOURCE_OF = {_WEIGHTS: _LINK_IN, _H2D: _LINK_IN, _COMPUTE: _UNIT, _D2H: _LINK_OUT}
+
+
+class _Engine:
+    """The event loop: every stream walked in order against its device's resources.
+
+    At each instant the engine first settles every op of zero duration that can start (they take no
+    time, so their order does not matter), then starts the ops of nonzero duration, per device the
+    compute unit, the D2H link, then the H2D link (so an upload starting at this instant sees the
+    D2H link's state), the ``h2d`` head before the ``weights`` head.
+    """
+
+    def __init__(self, program: StreamProgram, costs: _CostModel) -> None:
+        self.program, self.costs = program, costs
+        self.ops: list[Op] = []
+        self.devices: list[int] = []
+        self.streams: list[int] = []
+        self.index: dict[Op, int] = {}
+        self.queues: list[list[list[int]]] = []
+        for device_index, per_stream in enumerate(program.streams):
+            self.queues.append([])
+            for stream_index, stream in enumerate(STREAMS):
+                queue = []
+                for op in per_stream[stream]:
+                    self.index[op] = len(self.ops)
+                    queue.append(len(self.ops))
+                    self.ops.append(op)
+                    self.devices.append(device_index)
+                    self.streams.append(stream_index)
+                self.queues[-1].append(queue)
+        count = len(self.ops)
+        self.waiting = [0] * count
+        self.consumers: list[list[int]] = [[] for _ in range(count)]
+        index = self.index
+        for consumer, producers in program.deps.items():
+            at = index.get(consumer)
+            if at is None:
+                continue
+            for producer in producers:
+                source = index.get(producer)
+                if source is None:
+                    raise ValueError(f"`{consumer}` waits for `{producer}`, which no stream runs."
+                                     " HINT: run `program.validate()`.")
+                self.consumers[source].append(at)
+            self.waiting[at] += len(producers)
+        self.fixed_s: list[float | None] = []
+        self.nbytes: list[int] = []
+        for op in self.ops:
+            if op.kind.is_compute:
+                self.fixed_s.append(costs.compute_s(op))
+                self.nbytes.append(0)
+            else:
+                self.fixed_s.append(costs.fixed_transfer_s(op))
+                self.nbytes.append(costs.transfer_bytes(op))
+        self.start_s = [0.0] * count
+        self.end_s = [0.0] * count
+        self.done = [False] * count
+        self.heads = [[0] * len(STREAMS) for _ in self.queues]
+        self.running = [[-1, -1, -1] for _ in self.queues]
+        self.events: list[tuple[float, int]] = []
+        self.now = 0.0
+
+    def _zero(self, at: int) -> bool:
+        fixed = self.fixed_s[at]
+        return fixed == 0.0 if fixed is not None else self.nbytes[at] == 0
+
+    def _head(self, device_index: int, stream_index: int) -> int:
+        queue = self.queues[device_index][stream_index]
+        position = self.heads[device_index][stream_index]
+        if position < len(queue) and not self.waiting[queue[position]]:
+            return queue[position]
+        return -1
+
+    def _finish(self, at: int, dirty: set[int]) -> None:
+        self.end_s[at] = self.now
+        self.done[at] = True
+        dirty.add(self.devices[at])
+        for other in self.consumers[at]:
+            self.waiting[other] -= 1
+            if not self.waiting[other]:
+                dirty.add(self.devices[other])
+
+    def _settle_zero(self, dirty: set[int], touched: set[int]) -> None:
+        while dirty:
+            device_index = dirty.pop()
+            touched.add(device_index)
+            for resource, streams in _SERVES:
+                if self.running[device_index][resource] >= 0:
+                    continue
+                for stream_index in streams:
+                    head = self._head(device_index, stream_index)
+                    while head >= 0 and self._zero(head):
+                        self.heads[device_index][stream_index] += 1
+                        self.start_s[head] = self.now
+                        self._finish(head, dirty)
+                        head = self._head(device_index, stream_index)
+
+    def _start_timed(self, device_index: int) -> None:
+        hardware = self.costs.hardware
+        busy = self.running[device_index]
+        for resource, streams in _SERVES:
+            if busy[resource] >= 0:
+                continue
+            for stream_index in streams:
+                head = self._head(device_index, stream_index)
+                if head < 0:
+                    continue
+                duration = self.fixed_s[head]
+                if duration is None:
+                    if stream_index == _D2H:
+                        rate = hardware.d2h_bytes_per_s
+                    elif busy[_LINK_OUT] >= 0:
+                        rate = hardware.duplex_h2d_bytes_per_s
+                    else:
+                        rate = hardware.h2d_bytes_per_s
+                    duration = self.nbytes[head] / rate
+                self.heads[device_index][stream_index] += 1
+                self.start_s[head] = self.now
+                busy[resource] = head
+                heapq.heappush(self.events, (self.now + duration, head))
+                break
+
+    def run(self) -> _Run:
+        """Simulate to the end.
+
+        Raises:
+            ValueError: the program deadlocks (naming the blocked stream heads).
+        """
+        dirty = set(range(len(self.queues)))
         while True:
-            while self.dirty:  # wake the devices whose inputs changed, in a fixed order
-                for d in sorted(self.dirty):
-                    self.dirty.discard(d)
-                    self._advance(d)
+            touched: set[int] = set()
+            self._settle_zero(dirty, touched)
+            for device_index in sorted(touched):
+                self._start_timed(device_index)
             if not self.events:
                 break
-            t, _, fn = heapq.heappop(self.events)
-            self.now = t
-            fn(t)
-        if self.done != self.total:
+            self.now = self.events[0][0]
+            while self.events and self.events[0][0] == self.now:
+                _, at = heapq.heappop(self.events)
+                self.running[self.devices[at]][_RESOURCE_OF[self.streams[at]]] = -1
+                self._finish(at, dirty)
+        if not all(self.done):
             blocked = []
-            for d, dev in enumerate(self.devs):
-                if dev.pos < len(dev.actions):
-                    it, a = dev.actions[dev.pos]
-                    blocked.append(f"dev{d}: `{a}` (iteration {it}) waits for {[str(x[1]) for x in self.deps.get((it, a), ())]}")
-            raise ValueError("Simulation deadlocked: " + "; ".join(blocked) + ". HINT: run `plan.validate()`.")
+            for device_index, per_stream in enumerate(self.queues):
+                for stream_index, queue in enumerate(per_stream):
+                    position = self.heads[device_index][stream_index]
+                    if position < len(queue):
+                        op = self.ops[queue[position]]
+                        missing = [str(dep) for dep in self.program.deps.get(op, ()) if not self.done[self.index[dep]]]
+                        blocked.append(f"dev{device_index}/{STREAMS[stream_index]}: `{op}` waits for {missing}")
+            raise ValueError("Simulation deadlocked: " + "; ".join(blocked[:8]) + ". HINT: run `program.validate()`.")
+        return _Run(self.ops, self.devices, self.streams, self.start_s, self.end_s, self.nbytes)
 
-    def _advance(self, d: int) -> None:
-        dev = self.devs[d]
-        while not dev.busy and dev.pos < len(dev.actions):
-            node = dev.actions[dev.pos]
-            it, a = node
-            if not a.kind.is_compute:
-                self._issue_transfer_action(d, node)
-                dev.pos += 1
+
+def _intervals(run: _Run, offset_s: float = 0.0, window: tuple[float, float] | None = None) -> list[Interval]:
+    """One interval per op of nonzero duration, shifted by ``-offset_s`` and clipped to ``window``
+    (bytes prorated to the clipped share)."""
+    out = []
+    for at, op in enumerate(run.ops):
+        start, end = run.start_s[at], run.end_s[at]
+        if end <= start:
+            continue
+        moved = run.nbytes[at]
+        if window is not None:
+            clipped_start, clipped_end = max(start, window[0]), min(end, window[1])
+            if clipped_end <= clipped_start:
                 continue
-            if dev.phase == 0:
-                self._request_saved(d, node)
-                if (it, a.stage_index, d) not in self.loaded or (node in self.saved_src and (node, d) not in self.saved_on):
-                    return
-                pre, _ = self._phases(node)
-                dev.phase = 1
-                if pre > 0:
-                    self._start_compute(d, node, pre, lambda t: self._pre_done(d))
-                    self._prefetch_next_saved(d)
-                    return
-            if any(dep != node and (dep, d) not in self.on_dev for dep in self.deps[node]):
-                return
-            _, main = self._phases(node)
-            self._start_compute(d, node, main, lambda t, n=node: self._main_done(d, n))
-            self._prefetch_next_saved(d)
-            return
-
-    def _start_compute(self, d: int, node: _Node, dur: float, then: Callable[[float], None]) -> None:
-        it, a = node
-        self.devs[d].busy = True
-        self.first_start.setdefault(it, self.now)
-        self.first_start[it] = min(self.first_start[it], self.now)
-        self.intervals.append(Interval(d, a.kind.value, a.stage_index, a.microbatch_index, self.now, self.now + dur))
-        self.at(self.now + dur, then)
-
-    def _pre_done(self, d: int) -> None:
-        self.devs[d].busy = False
-        self.dirty.add(d)
-
-    def _main_done(self, d: int, node: _Node) -> None:
-        dev = self.devs[d]
-        dev.busy, dev.phase = False, 0
-        dev.pos += 1
-        self.done += 1
-        self.on_dev[(node, d)] = self.now
-        self.dirty.add(d)
-        cons = self.consumers.get(node, set())
-        saves = self.saved_at.get(node, [])
-        if not cons and not saves:
-            return
-        it, a = node
-        spec = self.plans[it].stages[a.stage_index]
-        # What leaves the device: first the output (forward) or the input gradient (backward), on the
-        # critical path; then any other stage-boundary activations saved for a later backward stage's
-        # recomputation (same priority, so FIFO behind the output).
-        out_boundary = spec.layers.stop if a.kind is ActionKind.F else spec.layers.start
-        saved_only = sorted(b for b in saves if not (cons and b == out_boundary))
-
-        def on_cpu() -> None:
-            self.cpu_ready.add(node)
-            for fn in self.waiting_cpu.pop(node, []):
-                fn()
-
-        def hops(t: float) -> None:
-            hb = self._act_bytes(out_boundary)
-            dur = self._act_s(hb, "H2D")
-            for c in sorted(cons):
-                self.h2d[c].submit(_Transfer(dur, self.act_prio, "H2D", a.stage_index, a.microbatch_index, hb, dur,
-                                             lambda t2, c=c: self._arrive(node, c, t2)))
-            if not saved_only:
-                on_cpu()
-
-        if cons:
-            ob = self._act_bytes(out_boundary)
-            dur = self._act_s(ob, "D2H")
-            self.d2h[d].submit(_Transfer(dur, self.act_prio, "D2H", a.stage_index, a.microbatch_index, ob, dur, hops))
-        if saved_only:
-            sb = sum(self._act_bytes(b) for b in saved_only)
-            dur = sum(self._act_s(self._act_bytes(b), "D2H") for b in saved_only)
-            self.d2h[d].submit(_Transfer(dur, self.act_prio, "D2H", a.stage_index, a.microbatch_index, sb, dur,
-                                         lambda t: on_cpu()))
-
-    def _arrive(self, node: _Node, d: int, t: float) -> None:
-        self.on_dev[(node, d)] = t
-        self.dirty.add(d)
-
-    def _mark(self, key: object, store: set, d: int) -> None:
-        store.add(key)
-        self.dirty.add(d)
-
-    # ------------------------------------------------------------------ saved inputs (RoundPipe B)
-    def _prefetch_next_saved(self, d: int) -> None:
-        if not self.saved_src:
-            return
-        dev = self.devs[d]
-        for k in range(dev.pos + 1, len(dev.actions)):
-            if dev.actions[k][1].kind.is_compute:
-                self._request_saved(d, dev.actions[k])
-                return
-
-    def _request_saved(self, d: int, node: _Node) -> None:
-        src = self.saved_src.get(node)
-        if src is None or node in self.saved_requested:
-            return
-        self.saved_requested.add(node)
-        it, a = node
-        nbytes = self._act_bytes(self.plans[it].stages[a.stage_index].layers.start)
-        dur = self._act_s(nbytes, "H2D")
-
-        def upload() -> None:
-            self.h2d[d].submit(_Transfer(dur, self.act_prio, "H2D", a.stage_index, a.microbatch_index, nbytes, dur,
-                                         lambda t: self._mark((node, d), self.saved_on, d)))
-
-        if src in self.cpu_ready:
-            upload()
-        else:
-            self.waiting_cpu.setdefault(src, []).append(upload)
-
-    # ------------------------------------------------------------------ LOAD / DROP
-    def _issue_transfer_action(self, d: int, node: _Node) -> None:
-        it, a = node
-        spec = self.plans[it].stages[a.stage_index]
-        key = (it, a.stage_index, d)
-        if a.kind is ActionKind.LOAD:
-            nbytes = 0 if self.bound else sum(self.profiles[i].param_bytes for i in spec.layers)
-            dur = nbytes / self.hw.h2d_bytes_per_s if (self.hw is not None and nbytes) else 0.0
-            self.h2d[d].submit(_Transfer(dur, self.bulk_prio, "H2D", a.stage_index, None, nbytes, dur,
-                                         lambda t: self._mark(key, self.loaded, d)))
-        elif a.kind is ActionKind.DROP and spec.kind == "backward" and not self.bound and self.hw is not None:
-            nbytes = sum(self.profiles[i].grad_bytes for i in spec.layers)
-            dur = nbytes / self.hw.d2h_bytes_per_s
-            self.d2h[d].submit(_Transfer(dur, self.bulk_prio, "D2H", a.stage_index, None, nbytes, dur, lambda t: None))
+            moved = int(round(moved * (clipped_end - clipped_start) / (end - start)))
+            start, end = clipped_start, clipped_end
+        stream = STREAMS[run.streams[at]]
+        kind = op.kind.value if op.kind.is_compute else "D2H" if stream == "d2h" else "H2D"
+        out.append(Interval(run.devices[at], kind, op.stage_index, op.microbatch_index, start - offset_s,
+                            end - offset_s, moved, stream=stream, label=str(op)))
+    out.sort(key=lambda iv: (iv.start_s, iv.device_index))
+    return out
 
 
-def _forward_stage_of(plan: ExecutionPlan, layer: int) -> StageSpec | None:
-    for s in plan.forward_stages:
-        if layer in s.layers:
-            return s
-    return None
+def _result(timeline: Timeline, iteration_s: float, num_iterations: int) -> SimulationResult:
+    idle = tuple(timeline.bubble_pct(d) for d in range(timeline.num_devices))
+    return SimulationResult(
+        timeline=timeline,
+        iteration_s=iteration_s,
+        idle_pct=idle,
+        mean_idle_pct=sum(idle) / len(idle) if idle else 0.0,
+        compute_s=tuple(timeline.compute_s(d) for d in range(timeline.num_devices)),
+        num_iterations=num_iterations,
+    )
 
 
-# ---------------------------------------------------------------------------------------- public
-def simulate(
-    plan: ExecutionPlan | Sequence[ExecutionPlan],
-    profiles: Sequence[LayerProfile],
-    hardware: HardwareModel | None = None,
-    *,
-    steady_state: bool = False,
-    comm_s_per_hop: float | None = None,
-    recompute: bool | None = None,
-    activation_priority: bool = True,
-    weight_grad_fraction: float = 0.5,
-    steady_iterations: int = 4,
-) -> SimulationResult:
-    """Time one training iteration of ``plan`` with per-layer costs; return its timeline and bubbles.
-
-    Source: RoundPipe paper (arXiv 2604.27085) sections 3 (round-robin dispatch, asymmetric
-    partition, fused tail, priority-aware transfers) and 5.4 (bubble simulation). Stage layers
-    come from ``plan.stages[i].layers``, which index ``profiles``.
-
-    Args:
-        plan: a valid plan (RoundPipe, a baseline from :mod:`lightning_roundpipe.schedule.baselines`,
-            or any plan that passes ``validate()``); or the plans of one iteration's consecutive
-            microbatch rounds (RoundPipe dispatches at most ``D`` microbatches per round, each round
-            continuing the rotation: see :func:`roundpipe_rounds`), run back to back on the devices.
-        profiles: one :class:`LayerProfile` per layer of the layer sequence (seconds and bytes for
-            one microbatch); the last one is the LM head (+ loss), which is never recomputed.
-        hardware: link bandwidths (bytes/s) for weight uploads, gradient downloads and activation
-            hops; ``None``: weights and gradients move for free, and activation hops cost
-            ``comm_s_per_hop`` (or nothing).
-        steady_state: simulate ``steady_iterations`` back-to-back iterations (a RoundPipe plan's
-            cursor carried over, so the rotation continues; the next iteration starts as soon as
-            its first stage's device and inputs allow, as with the paper's asynchronous optimizer)
-            and measure from the start of the second iteration to the start of the last: fill and
-            drain are hidden by the neighbouring iterations.
-        comm_s_per_hop: seconds for one activation hop GPU -> CPU -> GPU (half D2H on the producer's
-            link, half H2D on the consumer's); overrides the bytes-based hop time.
-        recompute: whether ``B`` re-runs its layers' forward; ``None``: ``plan._meta["recompute"]``
-            when set (baselines), else ``True`` (RoundPipe: full recomputation).
-        activation_priority: activation copies preempt weight/gradient transfers on a link;
-            ``False``: one FIFO queue per link (for comparison).
-        weight_grad_fraction: share of ``backward_s`` that is the weight gradient (``W``), for
-            stages whose backward is split (ZB-H1); 0..1.
-        steady_iterations: iterations simulated in steady state (>= 3).
-
-    Returns:
-        A :class:`SimulationResult`; times in seconds, idle in percent.
-
-    Raises:
-        ValueError: ``profiles`` does not cover the plan's layers, plans of different device counts,
-            a bad argument value, or a plan whose dependencies deadlock.
-        TypeError: ``plan`` is not an :class:`ExecutionPlan` (or a sequence of them).
-    """
-    rounds = [plan] if isinstance(plan, ExecutionPlan) else list(plan)
-    if not rounds or not all(isinstance(p, ExecutionPlan) for p in rounds):
-        raise TypeError(f"`plan` must be an ExecutionPlan or a non-empty sequence of them, got {plan!r}.")
-    if len({p.num_devices for p in rounds}) != 1:
-        raise ValueError("All plans of one iteration must have the same number of devices.")
+def _check_inputs(plan: ExecutionPlan, profiles: Sequence[LayerProfile], comm_s_per_hop: float | None,
+                  weight_grad_fraction: float) -> list[LayerProfile]:
     profiles = list(profiles)
     if not all(isinstance(p, LayerProfile) for p in profiles):
         raise TypeError("`profiles` must be a sequence of LayerProfile.")
-    need = max((s.layers.stop for p in rounds for s in p.stages), default=0)
+    need = max((s.layers.stop for s in plan.stages), default=0)
     if len(profiles) < need:
         raise ValueError(
             f"`profiles` has {len(profiles)} layers but the plan's stages reach layer {need - 1}."
             " HINT: pass one LayerProfile per layer of the layer sequence (LM head last)."
         )
-    if comm_s_per_hop is not None and comm_s_per_hop < 0:
-        raise ValueError(f"`comm_s_per_hop` must be >= 0, got {comm_s_per_hop!r}.")
+    if comm_s_per_hop is not None and not comm_s_per_hop >= 0:
+        raise ValueError(f"`comm_s_per_hop` must be >= 0 (seconds), got {comm_s_per_hop!r}.")
     if not 0.0 <= weight_grad_fraction <= 1.0:
         raise ValueError(f"`weight_grad_fraction` must be in 0..1, got {weight_grad_fraction!r}.")
-    if steady_state and steady_iterations < 3:
-        raise ValueError(f"`steady_iterations` must be >= 3 in steady state, got {steady_iterations!r}.")
-    if recompute is None:
-        recompute = bool(rounds[0]._meta.get("recompute", True))
-    n_iter = steady_iterations if steady_state else 1
-    plans = _iteration_plans(rounds, n_iter)
-    sim = _Sim(plans, _concatenate(plans), profiles, hardware, comm_s_per_hop, recompute, activation_priority,
-               weight_grad_fraction)
-    sim.run()
-    n_dev = rounds[0].num_devices
+    return profiles
+
+
+def _run_program(program: StreamProgram, profiles: list[LayerProfile], hardware: HardwareModel | None,
+                 comm_s_per_hop: float | None, weight_grad_fraction: float) -> _Run:
+    return _Engine(program, _CostModel(program, profiles, hardware, comm_s_per_hop, weight_grad_fraction)).run()
+
+
+# ---------------------------------------------------------------------------------------- public
+def simulate_program(
+    program: StreamProgram,
+    profiles: Sequence[LayerProfile],
+    hardware: HardwareModel | None = None,
+    *,
+    comm_s_per_hop: float | None = None,
+    weight_grad_fraction: float = 0.5,
+) -> SimulationResult:
+    """Time a stream program with per-layer costs (see the module docstring for the cost model).
+
+    Args:
+        program: from :func:`~lightning_roundpipe.schedule.lower.lower` (possibly edited, e.g. with
+            :meth:`StreamProgram.without_edge`).
+        profiles: one :class:`LayerProfile` per layer of the layer sequence (seconds and bytes for
+            one microbatch), indexed by ``plan.stages[i].layers``.
+        hardware: link rates (bytes/s) for weight chunks, weight gradients and activations;
+            ``None``: weights and gradients move for free.
+        comm_s_per_hop: seconds of one activation hop GPU -> host -> GPU, half on each end;
+            overrides the bytes-based activation times.
+        weight_grad_fraction: share (0..1) of ``backward_s`` that is the ``W`` op, for stages that
+            have ``W`` ops (ZB-H1).
+
+    Returns:
+        A :class:`SimulationResult` of the whole program (``iteration_s``: the last op's end, s).
+
+    Raises:
+        TypeError: ``program`` is not a :class:`StreamProgram`, or ``profiles`` holds something else.
+        ValueError: ``profiles`` does not cover the plan's layers, a bad ``comm_s_per_hop`` or
+            ``weight_grad_fraction``, or a program that deadlocks.
+    """
+    if not isinstance(program, StreamProgram):
+        raise TypeError(f"`program` must be a StreamProgram (from `lower(plan)`), got {type(program).__name__}.")
+    profiles = _check_inputs(program.plan, profiles, comm_s_per_hop, weight_grad_fraction)
+    run = _run_program(program, profiles, hardware, comm_s_per_hop, weight_grad_fraction)
+    intervals = _intervals(run)
+    wall = max((iv.end_s for iv in intervals), default=0.0)
+    return _result(Timeline(program.num_devices, intervals, wall_s=wall), wall, 1)
+
+
+def _recompute_mode(plan: ExecutionPlan, recompute: bool | str | None) -> str | None:
+    """``simulate``'s ``recompute`` as a mode of :func:`lower` (``None``: lower's default)."""
+    if recompute is None or recompute in RECOMPUTE_MODES:
+        return recompute
+    if recompute is True:
+        return "late" if plan._meta.get("weight_binding") else "early"
+    if recompute is False:
+        return "none"
+    raise ValueError(f"`recompute` must be None, True, False or one of {list(RECOMPUTE_MODES)}, got {recompute!r}.")
+
+
+def _lower(plan: ExecutionPlan, profiles: list[LayerProfile], recompute: str | None, chunk_bytes: int,
+           validate: bool) -> StreamProgram:
+    """Lower ``plan`` with byte sizes from ``profiles`` (bound plans keep their weights resident)."""
+    bound = bool(plan._meta.get("weight_binding", False))
+    weights = [0 if bound else sum(profiles[i].param_bytes for i in spec.layers) for spec in plan.stages]
+    grads = [0 if bound or spec.kind == "forward" else sum(profiles[i].grad_bytes for i in spec.layers)
+             for spec in plan.stages]
+    program = lower(plan, stage_weight_bytes=weights, stage_grad_bytes=grads, chunk_bytes=chunk_bytes,
+                    recompute=recompute, validate=False)
+    # TODO: validate "none" programs too once `lower.required_predecessors` stops listing a `B` without
+    # `R` as its own predecessor (it reports "`2B0` may start before `2B0` finishes")
+    return program.validate() if validate and program.recompute != "none" else program
+
+
+def simulate(
+    plan: ExecutionPlan,
+    profiles: Sequence[LayerProfile],
+    hardware: HardwareModel | None = None,
+    *,
+    steady_state: bool = False,
+    comm_s_per_hop: float | None = None,
+    recompute: bool | str | None = None,
+    weight_grad_fraction: float = 0.5,
+    steady_iterations: int = 4,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> SimulationResult:
+    """Lower ``plan`` to its stream program and time it: one training iteration, or the steady state.
+
+    Source: RoundPipe paper (arXiv 2604.27085) sections 3 (round-robin dispatch, fused tail,
+    priority-aware transfers, section 3.3 streams) and 5.4 (bubble simulation).
+
+    Args:
+        plan: a valid plan: RoundPipe (:func:`build_roundpipe_plan`), a bound baseline
+            (:mod:`lightning_roundpipe.schedule.baselines`), or any plan that passes ``validate()``.
+        profiles: one :class:`LayerProfile` per layer of the layer sequence: ``param_bytes`` sized
+            each stage's ``LOAD``, ``grad_bytes`` each backward stage's ``WD2H`` (both 0 for bound
+            plans, whose weights stay resident), ``activation_bytes`` the activation transfers.
+        hardware: link rates (bytes/s); ``None``: weights and gradients move for free.
+        steady_state: for a RoundPipe plan, simulate ``steady_iterations`` iterations back to back
+            (the same plan with ``steady_iterations x M`` microbatches in the same rounds, so the
+            rotation continues and no optimizer barrier separates them) and measure from the start
+            of iteration 1 to the start of the last (an iteration starts with the first compute op
+            on its first microbatch): fill and drain are hidden by the neighbours.
+        comm_s_per_hop: seconds of one activation hop GPU -> host -> GPU (half on each end).
+        recompute: ``None``: :func:`lower`'s default (``"early"`` for RoundPipe, the plan's
+            ``_meta["recompute"]`` for baselines, ``"late"`` when recomputing); ``True``: recompute
+            (``"early"`` for RoundPipe, ``"late"`` for bound plans); ``False``: ``"none"``; or a mode.
+        weight_grad_fraction: share (0..1) of ``backward_s`` in ``W`` ops (ZB-H1).
+        steady_iterations: iterations simulated in steady state (>= 3).
+        chunk_bytes: largest ``LOAD`` chunk, bytes (the no-preemption granularity of weight uploads).
+
+    Returns:
+        A :class:`SimulationResult`; times in seconds, idle in percent.
+
+    Raises:
+        TypeError: ``plan`` is not an :class:`ExecutionPlan`, or ``profiles`` holds something else.
+        ValueError: ``profiles`` does not cover the plan's layers, a bad argument value, steady
+            state for a plan that is not from :func:`build_roundpipe_plan` (a bound baseline), or
+            a plan whose program deadlocks.
+    """
+    if not isinstance(plan, ExecutionPlan):
+        raise TypeError(f"`plan` must be an ExecutionPlan, got {type(plan).__name__}."
+                        " HINT: microbatch rounds are one plan: `build_roundpipe_plan(..., microbatches_per_round=D)`.")
+    profiles = _check_inputs(plan, profiles, comm_s_per_hop, weight_grad_fraction)
+    mode = _recompute_mode(plan, recompute)
     if not steady_state:
-        wall = max((i.end_s for i in sim.intervals), default=0.0)
-        tl = Timeline(n_dev, sorted(sim.intervals, key=lambda i: (i.start_s, i.device_index)), wall_s=wall)
-        return _result(tl, wall, 1)
-    r = len(rounds)
-    t0, t1 = sim.first_start[r], sim.first_start[r * (n_iter - 1)]
-    clipped = []
-    for i in sim.intervals:
-        s, e = max(i.start_s, t0), min(i.end_s, t1)
-        if e > s:
-            share = (e - s) / i.duration_s
-            clipped.append(Interval(i.device_index, i.kind, i.stage_index, i.microbatch_index, s - t0, e - t0,
-                                    int(round(i.nbytes * share))))
-    tl = Timeline(n_dev, sorted(clipped, key=lambda i: (i.start_s, i.device_index)), wall_s=t1 - t0)
-    return _result(tl, (t1 - t0) / (n_iter - 2), n_iter - 2)
-
-
-def _result(tl: Timeline, iteration_s: float, n: int) -> SimulationResult:
-    idle = tuple(tl.bubble_pct(d) for d in range(tl.num_devices))
-    return SimulationResult(
-        timeline=tl,
-        iteration_s=iteration_s,
-        idle_pct=idle,
-        mean_idle_pct=sum(idle) / len(idle) if idle else 0.0,
-        compute_s=tuple(tl.compute_s(d) for d in range(tl.num_devices)),
-        num_iterations=n,
-    )
+        program = _lower(plan, profiles, mode, chunk_bytes, validate=True)
+        return simulate_program(program, profiles, hardware, comm_s_per_hop=comm_s_per_hop,
+                                weight_grad_fraction=weight_grad_fraction)
+    if isinstance(steady_iterations, bool) or not isinstance(steady_iterations, int) or steady_iterations < 3:
+        raise ValueError(f"`steady_iterations` must be an int >= 3 in steady state, got {steady_iterations!r}.")
+    builder = plan._meta.get("builder")
+    if plan._meta.get("weight_binding") or builder is None:
+        what = f"the bound baseline `{plan._meta.get('schedule', 'plan')}`" if plan._meta.get("weight_binding") \
+            else "a plan not built by `build_roundpipe_plan`"
+        raise ValueError(
+            f"`steady_state=True` needs a RoundPipe plan; got {what}. HINT: steady state continues the round-robin"
+            " rotation over `steady_iterations` iterations, which only `build_roundpipe_plan` plans have; simulate"
+            " one iteration (`steady_state=False`)."
+        )
+    per_iteration = builder["num_microbatches"]
+    long_plan = build_roundpipe_plan(
+        builder["stages"], builder["num_devices"], steady_iterations * per_iteration, builder["cursor"],
+        builder["prefetch"], microbatches_per_round=builder["microbatches_per_round"] or per_iteration)
+    program = _lower(long_plan, profiles, mode, chunk_bytes, validate=False)
+    run = _run_program(program, profiles, hardware, comm_s_per_hop, weight_grad_fraction)
+    first_compute: dict[int, float] = {}
+    for at, op in enumerate(run.ops):
+        if op.kind.is_compute and op.microbatch_index % per_iteration == 0:
+            iteration = op.microbatch_index // per_iteration
+            first_compute[iteration] = min(first_compute.get(iteration, run.start_s[at]), run.start_s[at])
+    window = (first_compute[1], first_compute[steady_iterations - 1])
+    intervals = _intervals(run, offset_s=window[0], window=window)
+    timeline = Timeline(plan.num_devices, intervals, wall_s=window[1] - window[0])
+    return _result(timeline, (window[1] - window[0]) / (steady_iterations - 2), steady_iterations - 2)

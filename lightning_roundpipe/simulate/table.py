@@ -13,9 +13,9 @@ Modelling choices (docs/simulator.md explains and calibrates them):
   layout): ``D`` stages for GPipe/1F1B/ZB-H1, and ``floor(len(sequence) / D)`` chunks per device
   for interleaved 1F1B and looped BFS;
 - baselines recompute activations in ``B`` (activation checkpointing), like the paper's artifact;
-- RoundPipe uses the asymmetric partition of :func:`roundpipe_partition` with a fused tail,
-  recomputes every non-tail backward stage, and dispatches microbatches in rounds of at most ``D``
-  (:func:`roundpipe_rounds`);
+- RoundPipe uses the asymmetric partition of ``auto_partition(..., method="paper")`` with a fused tail,
+  recomputes every non-tail backward stage, and dispatches microbatches in rounds of ``D``
+  (``build_roundpipe_plan(..., microbatches_per_round=D)``, as the paper's artifact);
 - an activation hop between devices costs the table's ``comm_ms_per_hop``; weights and gradients
   move for free (no byte sizes in the table), as in the paper's simulation.
 """
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from lightning_roundpipe.partition.partitioner import auto_partition, schedule_ranges
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.schedule.baselines import (
     BASELINE_BUILDERS,
@@ -37,9 +38,8 @@ from lightning_roundpipe.schedule.baselines import (
     megatron_stage_layers,
 )
 from lightning_roundpipe.schedule.plan import ExecutionPlan
-from lightning_roundpipe.schedule.roundpipe import build_stages
-from lightning_roundpipe.simulate._partition import roundpipe_partition
-from lightning_roundpipe.simulate.engine import SimulationResult, roundpipe_rounds, simulate
+from lightning_roundpipe.schedule.roundpipe import build_roundpipe_plan, build_stages
+from lightning_roundpipe.simulate.engine import SimulationResult, simulate
 
 __all__ = [
     "ModelTimings",
@@ -207,19 +207,20 @@ def layer_profiles(t: ModelTimings) -> list[LayerProfile]:
 def build_schedule_plan(
     schedule: str, profiles: Sequence[LayerProfile], num_devices: int, num_microbatches: int,
     *, recompute_baselines: bool = True,
-) -> ExecutionPlan | list[ExecutionPlan]:
-    """The plan(s) of one iteration a table row simulates.
+) -> ExecutionPlan:
+    """The plan of one iteration a table row simulates.
 
-    ``roundpipe_*`` rows: the microbatch rounds of :func:`roundpipe_rounds` over the stages of
-    :func:`roundpipe_partition` (fused tail). Baselines: one bound plan over
+    ``roundpipe_*`` rows: one RoundPipe plan dispatching microbatches in rounds of ``D`` over the stages of
+    ``auto_partition(profiles, num_devices, method="paper")`` (fused tail). Baselines: one bound plan over
     :func:`megatron_stage_layers` stages (``D``, or ``floor(L_seq / D) x D`` for the multi-chunk ones).
 
     Raises:
         ValueError: an unknown ``schedule`` (the valid ones listed) or one that cannot be built.
     """
     if schedule in ("roundpipe", "roundpipe_one_iteration", "roundpipe_steady"):
-        fwd, bwd = roundpipe_partition(profiles, num_devices)
-        return roundpipe_rounds(build_stages(fwd, bwd, fused_tail=True), num_devices, num_microbatches)
+        fwd, bwd = schedule_ranges(auto_partition(profiles, num_devices, method="paper"))
+        return build_roundpipe_plan(build_stages(fwd, bwd, fused_tail=True), num_devices, num_microbatches,
+                                    microbatches_per_round=num_devices)
     if schedule not in BASELINE_BUILDERS:
         raise ValueError(f"Unknown schedule `{schedule}`; expected one of {list(SCHEDULES)}.")
     last = len(profiles) - 1

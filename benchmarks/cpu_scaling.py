@@ -1,0 +1,184 @@
+"""CPU virtual devices: scaling, overhead and measured vs predicted step time, in one process.
+
+Model: Llama-shaped (8 decoder layers, hidden 256, vocab 8192, tied embeddings), batch 8 x 256
+tokens, ``32-true``, SGD; one training step = forward, fused tail, backward and the optimizer.
+Every figure is a ratio against a baseline run in the same process (DESIGN.md section 8, issue 6):
+
+1. RoundPipe on 2 CPU virtual devices vs 1, at ``num_microbatches`` 3 and 8 (target >= 1.8x).
+2. RoundPipe on 1 virtual device vs plain Lightning training on 1 thread with the same per-layer
+   recomputation (HF gradient checkpointing), same microbatch count 1 (target <= 1.05x).
+3. With ``cpu_link_bytes_per_s`` set so that a stage's weight upload takes about as long as its
+   compute: the measured step vs the simulator's prediction for the same programs (target
+   <= 1.15x), and vs compute + transfer run back to back (target <= 0.8x).
+4. ``roundpipe/predicted_step(s)`` vs ``roundpipe/step(s)`` for 2 and 3 devices with the link model.
+
+Step times are medians over the measured steps (after warm-up and the profiled steps).
+
+Run: ``python benchmarks/cpu_scaling.py [--steps 4] [--only scaling,overhead,link,predicted]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+import lightning_roundpipe  # noqa: E402
+
+
+class RandomTokens(Dataset):
+    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class LM(L.LightningModule):
+    def __init__(self, args: argparse.Namespace, checkpointing: bool = False) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                          num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+                          num_key_value_heads=max(1, args.hidden // 256), tie_word_embeddings=True)
+        cfg._attn_implementation = "eager"
+        self.model = LlamaForCausalLM(cfg)
+        if checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class StepTimes(L.Callback):
+    """Wall time of every training batch, and the RoundPipe metrics the strategy logged."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.logged: list[dict[str, float]] = []
+        self._t = 0.0
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.times.append(time.perf_counter() - self._t)
+        self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("roundpipe/")})
+
+
+def run(args: argparse.Namespace, strategy, devices: int, checkpointing: bool = False) -> StepTimes:
+    timer = StepTimes()
+    module = LM(args, checkpointing)
+    skip = args.warmup
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true",
+                        max_steps=skip + args.steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], log_every_n_steps=1)
+    data = DataLoader(RandomTokens(args.batch_size * (skip + args.steps), args.seq_len, args.vocab),
+                      batch_size=args.batch_size)
+    trainer.fit(module, data)
+    timer.times, timer.logged = timer.times[skip:], timer.logged[skip:]
+    return timer
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def roundpipe(num_microbatches: int, **kw) -> lightning_roundpipe.RoundPipeStrategy:
+    return lightning_roundpipe.RoundPipeStrategy(num_microbatches=num_microbatches, **kw)
+
+
+def scaling(args: argparse.Namespace) -> None:
+    print("\n== 1. RoundPipe, 2 CPU virtual devices vs 1 (step time ratio; target >= 1.8x)")
+    for m in (3, 8):
+        one = median(run(args, roundpipe(m), 1).times)
+        two = median(run(args, roundpipe(m), 2).times)
+        print(f"num_microbatches={m}: 1 device {one:.3f} s/step, 2 devices {two:.3f} s/step, speed-up {one / two:.2f}x")
+
+
+def overhead(args: argparse.Namespace) -> None:
+    print("\n== 2. RoundPipe on 1 virtual device vs plain training on 1 thread with HF gradient checkpointing"
+          " (target <= 1.05x)")
+    torch.set_num_threads(1)
+    try:
+        plain = median(run(args, "auto", 1, checkpointing=True).times)
+        rp = median(run(args, roundpipe(1), 1).times)
+    finally:
+        torch.set_num_threads(os.cpu_count() or 1)
+    print(f"plain (1 thread, checkpointing) {plain:.3f} s/step, RoundPipe 1 device (M=1) {rp:.3f} s/step,"
+          f" ratio {rp / plain:.3f}")
+
+
+def _link_rate(args: argparse.Namespace, devices: int, m: int) -> float:
+    """bytes/s at which a stage's weight upload takes about as long as its compute (from a probe run)."""
+    probe = run(args, roundpipe(m), devices)
+    logged = probe.logged[-1]
+    compute = sum(logged[f"roundpipe/device{d}/compute(s)"] for d in range(devices))
+    h2d = sum(logged[f"roundpipe/device{d}/h2d(bytes)"] for d in range(devices))
+    return h2d / compute
+
+
+def link(args: argparse.Namespace, devices: int = 2, m: int = 3) -> None:
+    print(f"\n== 3. modelled host link, {devices} devices, M={m}: uploads take about as long as compute")
+    rate = _link_rate(args, devices, m)
+    timer = run(args, roundpipe(m, cpu_link_bytes_per_s=rate), devices)
+    last = timer.logged[-1]
+    step = median(timer.times)
+    predicted = median([r["roundpipe/predicted_step(s)"] for r in timer.logged if "roundpipe/predicted_step(s)" in r])
+    compute = max(last[f"roundpipe/device{d}/compute(s)"] for d in range(devices))
+    transfer = max(last[f"roundpipe/device{d}/h2d(bytes)"] + last[f"roundpipe/device{d}/d2h(bytes)"]
+                   for d in range(devices)) / rate
+    print(f"link {rate / 2**20:.1f} MiB/s; measured {step:.3f} s/step; predicted {predicted:.3f} s/step;"
+          f" busiest device: compute {compute:.3f} s + transfers {transfer:.3f} s back to back = {compute + transfer:.3f} s")
+    print(f"measured / predicted = {step / predicted:.3f} (target <= 1.15); measured / (compute + transfer) ="
+          f" {step / (compute + transfer):.3f} (target <= 0.8)")
+
+
+def predicted(args: argparse.Namespace) -> None:
+    print("\n== 4. predicted_step(s) vs step(s), modelled link (uploads about as long as compute)")
+    print(f"{'devices':>8} {'M':>3} {'step(s)':>9} {'predicted(s)':>13} {'error':>8}")
+    for devices in (2, 3):
+        m = devices + 1
+        rate = _link_rate(args, devices, m)
+        timer = run(args, roundpipe(m, cpu_link_bytes_per_s=rate), devices)
+        step = median([r["roundpipe/step(s)"] for r in timer.logged])
+        pred = median([r["roundpipe/predicted_step(s)"] for r in timer.logged if "roundpipe/predicted_step(s)" in r])
+        print(f"{devices:>8} {m:>3} {step:>9.3f} {pred:>13.3f} {100 * (pred - step) / step:>7.1f}%")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=4, help="steps dropped (warm-up and the 3 profiled steps)")
+    p.add_argument("--steps", type=int, default=4, help="measured steps per run")
+    p.add_argument("--only", default="scaling,overhead,link,predicted")
+    args = p.parse_args()
+    print(f"model: Llama-shaped, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab};"
+          f" batch {args.batch_size} x {args.seq_len} tokens; 32-true; {os.cpu_count()} CPU cores")
+    parts = {"scaling": scaling, "overhead": overhead, "link": link, "predicted": predicted}
+    for name in args.only.split(","):
+        parts[name.strip()](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Device backends: one interface (:class:`Backend`), CUDA and CPU virtual devices (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
+from lightning_roundpipe.runtime.backends.cpu import CpuBackend, Link
+
+__all__ = ["Backend", "CpuBackend", "Link", "make_backends", "tree_nbytes"]
+
+
+def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float | None = None,
+                  debug_copy_delay_s: float = 0.0) -> list[Backend]:
+    """One backend per device: :class:`CpuBackend` for ``cpu`` entries, ``CudaBackend`` for ``cuda:i``.
+
+    Args:
+        devices: the devices, in ``device_index`` order (all of one type).
+        cpu_link_bytes_per_s: CPU virtual devices: modelled host link rate per direction, bytes/s
+            (``None``: unthrottled).
+        debug_copy_delay_s: CPU virtual devices: every copy lands this many seconds late (debugging).
+
+    Raises:
+        ValueError: mixed device types, a bad link rate or delay, or an accelerator other than CPU
+            and CUDA (MPS, XPU... are not supported yet).
+    """
+    devices = [torch.device(d) for d in devices]
+    types = {d.type for d in devices}
+    if len(types) > 1:
+        raise ValueError(f"RoundPipe devices must all be of one type, got {sorted(types)}.")
+    if cpu_link_bytes_per_s is not None and not (isinstance(cpu_link_bytes_per_s, (int, float))
+                                                 and not isinstance(cpu_link_bytes_per_s, bool) and cpu_link_bytes_per_s > 0):
+        raise ValueError(f"`cpu_link_bytes_per_s` must be a positive number of bytes/s or None, got {cpu_link_bytes_per_s!r}."
+                         " HINT: 25e9 models PCIe 4.0 x16 one way.")
+    if not (isinstance(debug_copy_delay_s, (int, float)) and debug_copy_delay_s >= 0):
+        raise ValueError(f"`debug_copy_delay_s` must be a number of seconds >= 0, got {debug_copy_delay_s!r}.")
+    kind = devices[0].type if devices else "cpu"
+    if kind == "cpu":
+        return [CpuBackend(i, cpu_link_bytes_per_s, debug_copy_delay_s) for i in range(len(devices))]
+    if kind == "cuda":
+        from lightning_roundpipe.runtime.backends.cuda import CudaBackend
+
+        if cpu_link_bytes_per_s is not None or debug_copy_delay_s:
+            raise ValueError("`cpu_link_bytes_per_s` and `debug_copy_delay_s` apply to CPU virtual devices only;"
+                             " a GPU's link is real. HINT: drop them, or use `accelerator='cpu'`.")
+        return [CudaBackend(i, d) for i, d in enumerate(devices)]
+    raise ValueError(
+        f"RoundPipe does not support accelerator `{kind}` yet; supported: 'cuda' (GPUs) and 'cpu' (CPU virtual devices)."
+        " HINT: use `Trainer(accelerator='cuda')` or `Trainer(accelerator='cpu', devices=N)`."
+    )

@@ -1,0 +1,186 @@
+"""CUDA backend: one GPU, four CUDA streams, ordering by events only (DESIGN.md section 4).
+
+Streams (created once per device): ``weights`` (low priority: weight chunks from the pinned
+compute-dtype shadows), ``h2d`` (high priority: activations and incoming gradients), ``compute``,
+``d2h`` (high priority: activations, input gradients, weight gradients into pinned host memory).
+Every op is *enqueued* by its stream's host thread without waiting for the GPU: a consumer waits
+(on the host) only until its producers are enqueued, then makes its stream wait for their CUDA
+events, across devices too. The host blocks on an event only where the CPU consumes the data: the
+host gradient accumulation (``host_wait``) and the end of a program (``synchronize``: loss, outputs
+and input gradients handed back to Lightning).
+
+Pinned host memory comes from torch's caching host allocator (``pin_memory=True``), which reuses a
+block once the copies that used it have completed, so activation buffers are a reused pinned pool
+without a pool of our own. Stream priority alone does not order the copy engine's DMA; the stream
+program's edges do (activations before weights, paper section 3.3). Op times come from CUDA events
+(``enable_timing``) relative to one reference event per program.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from lightning_roundpipe.runtime.backends.base import Backend, Publish, tree_nbytes
+
+
+class CudaBackend(Backend):
+    """One CUDA device.
+
+    Args:
+        device_index: position in the device list.
+        device: ``cuda:i``.
+
+    Raises:
+        RuntimeError: CUDA is not available.
+    """
+
+    is_cuda = True
+
+    def __init__(self, device_index: int, device: torch.device) -> None:
+        super().__init__(device_index, device)
+        if not torch.cuda.is_available():
+            raise RuntimeError("RoundPipe was given a CUDA device but CUDA is not available."
+                               " HINT: use `Trainer(accelerator='cpu', devices=N)` for CPU virtual devices.")
+        low, high = torch.cuda.Stream.priority_range()  # (lowest, highest) = (0, -k)
+        with torch.cuda.device(self.device):
+            self.streams = {
+                "weights": torch.cuda.Stream(self.device, priority=low),
+                "h2d": torch.cuda.Stream(self.device, priority=high),
+                "compute": torch.cuda.Stream(self.device),
+                "d2h": torch.cuda.Stream(self.device, priority=high),
+            }
+        self._reference: tuple[torch.cuda.Event, float] | None = None
+        self._start_threads()
+
+    def _thread_setup(self, stream: str) -> None:
+        torch.cuda.set_device(self.device)
+
+    # ------------------------------------------------------------------ ordering
+    def stream_context(self, stream: str):
+        return torch.cuda.stream(self.streams[stream])
+
+    def record(self, stream: str) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(self.streams[stream])
+        return event
+
+    def wait_event(self, stream: str, event: Any) -> None:
+        self.streams[stream].wait_event(event)
+
+    def host_wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def compute_sync(self) -> None:
+        self.streams["compute"].synchronize()
+
+    # ------------------------------------------------------------------ timing
+    def begin(self) -> None:
+        """Record the reference event of a program's timeline (host clock at the same moment)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.streams["compute"])
+        self._reference = (event, time.perf_counter())
+
+    def timer_start(self, stream: str) -> torch.cuda.Event:
+        if self._reference is None:
+            self.begin()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.streams[stream])
+        return event
+
+    def timer_span(self, stream: str, start: Any) -> Callable[[], tuple[float, float]]:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.streams[stream])
+        reference, host = self._reference
+
+        def span() -> tuple[float, float]:
+            return host + reference.elapsed_time(start) / 1e3, host + reference.elapsed_time(end) / 1e3
+
+        return span
+
+    def measure_link(self, nbytes: int = 64 * 2**20) -> tuple[float, float]:
+        """Measured pinned H2D and D2H rates of this GPU's link, bytes/s (one ``nbytes`` copy each way,
+        timed with CUDA events after one warm-up copy); cached."""
+        cached = getattr(self, "_link", None)
+        if cached is not None:
+            return cached
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.device(self.device):
+            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            rates = []
+            for dst, src in ((dev, host), (host, dev)):
+                dst.copy_(src, non_blocking=True)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                rates.append(nbytes / (start.elapsed_time(end) / 1e3))
+        self._link = (rates[0], rates[1])
+        return self._link
+
+    # ------------------------------------------------------------------ data
+    def to_device(self, tree: Any, publish: Publish) -> int:
+        compute = self.streams["compute"]
+
+        def up(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            out = t.to(self.device, non_blocking=True)
+            out.record_stream(compute)
+            return out
+
+        out = pytree.tree_map(up, tree)
+        publish(out)
+        return tree_nbytes(out)
+
+    def to_host(self, tree: Any, publish: Publish) -> int:
+        d2h = self.streams["d2h"]
+
+        def down(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.device.type != "cuda":
+                return t
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t.record_stream(d2h)
+            return host
+
+        out = pytree.tree_map(down, tree)
+        publish(out)
+        return tree_nbytes(out)
+
+    def empty_bytes(self, nbytes: int) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        for stream in ("compute", "d2h"):
+            buffer.record_stream(self.streams[stream])
+        return buffer
+
+    def copy_chunk(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
+        for dst, src in pieces:
+            dst.copy_(src, non_blocking=True)
+
+    def grads_to_host(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        d2h = self.streams["d2h"]
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_dtype.setdefault(g.dtype, []).append(i)
+        for dtype, indices in by_dtype.items():
+            flat = torch.empty(sum(grads[i].numel() for i in indices), dtype=dtype, pin_memory=True)
+            offset = 0
+            for i in indices:
+                g = grads[i]
+                view = flat[offset:offset + g.numel()]
+                view.copy_(g.reshape(-1), non_blocking=True)
+                g.record_stream(d2h)
+                out[i] = view.view(g.shape)
+                offset += g.numel()
+        return out

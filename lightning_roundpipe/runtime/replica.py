@@ -1,0 +1,61 @@
+"""Per-device replicas of the layer modules (DESIGN.md section 4).
+
+Each device runs a stage on its own replica of the stage's modules: a shallow copy of every module
+of the layer (new ``_parameters``, ``_buffers`` and ``_modules`` dicts, everything else shared)
+whose parameters and buffers are bound to the tensors uploaded to that device. No lock is shared
+between devices, and a forward and a backward stage over the same layer may run at once on two
+devices (the fused plan), which ``torch.func.functional_call`` on the shared module could not do
+(it swaps the module's attributes while it runs). Binding copies each original module's
+``training`` flag, so ``model.eval()`` is honoured.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class LayerReplica:
+    """A shallow structural copy of one layer module.
+
+    Args:
+        layer: the original layer (never modified).
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.pairs: list[tuple[nn.Module, nn.Module]] = []
+        self.module = self._copy(layer, {})
+        self._slots: dict[str, tuple[nn.Module, str, bool]] = {}
+        for prefix, original in layer.named_modules(remove_duplicate=False):
+            copy = self._find(prefix)
+            for name in original._parameters:
+                self._slots[f"{prefix}.{name}" if prefix else name] = (copy, name, True)
+            for name in original._buffers:
+                self._slots[f"{prefix}.{name}" if prefix else name] = (copy, name, False)
+
+    def _copy(self, module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+        if id(module) in memo:
+            return memo[id(module)]
+        copy = object.__new__(type(module))
+        copy.__dict__ = dict(module.__dict__)
+        memo[id(module)] = copy
+        copy._parameters = dict(module._parameters)
+        copy._buffers = dict(module._buffers)
+        copy._modules = {n: (None if c is None else self._copy(c, memo)) for n, c in module._modules.items()}
+        self.pairs.append((module, copy))
+        return copy
+
+    def _find(self, prefix: str) -> nn.Module:
+        module = self.module
+        for part in prefix.split(".") if prefix else ():
+            module = module._modules[part]
+        return module
+
+    def bind(self, tensors: dict[str, "object"]) -> nn.Module:
+        """Point the replica's parameters and buffers at ``tensors`` (``{qualified name: tensor}``)
+        and copy the training flags; returns the replica module to call."""
+        for original, copy in self.pairs:
+            copy.training = original.training
+        for name, tensor in tensors.items():
+            module, leaf, is_param = self._slots[name]
+            (module._parameters if is_param else module._buffers)[leaf] = tensor
+        return self.module
