@@ -219,3 +219,18 @@ def test_cli_applies_overrides() -> None:
     cfg = OmegaConf.create(out.stdout)
     assert cfg.trainer.max_steps == 5 and cfg.trainer.devices == 3 and cfg.strategy.num_microbatches == 4
     assert "logger" not in cfg and cfg.callbacks.model_checkpoint._target_.endswith("ModelCheckpoint")
+
+
+def test_strategy_config_keys_are_strategy_arguments() -> None:
+    """Every key of conf/strategy/roundpipe.yaml is an argument of RoundPipeStrategy with the same default."""
+    import inspect
+
+    import lightning_roundpipe
+
+    cfg = _compose()
+    signature = inspect.signature(lightning_roundpipe.RoundPipeStrategy)
+    for key, value in cfg.strategy.items():
+        if key == "_target_":
+            continue
+        assert key in signature.parameters, key
+        assert signature.parameters[key].default == value, key

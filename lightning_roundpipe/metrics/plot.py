@@ -19,13 +19,14 @@ __all__ = ["KIND_COLORS", "plot_timeline", "plot_timelines"]
 KIND_COLORS: dict[str, str] = {
     "F": "#4F81BD",  # forward
     "X": "#8064A2",  # fused tail: forward + loss + backward
-    "B": "#C0504D",  # backward (with recomputation for RoundPipe)
+    "R": "#E6B9B8",  # recompute: a backward stage's forward from its saved input
+    "B": "#C0504D",  # backward
     "W": "#F79646",  # weight-gradient backward (ZB-H1)
     "H2D": "#9BBB59",  # uploads: weights, activations
     "D2H": "#7F7F7F",  # downloads: activations, gradients
     "wait": "#D9D9D9",
 }
-_LABELS = {"F": "forward", "X": "fused tail", "B": "backward", "W": "weight grad", "H2D": "H2D", "D2H": "D2H",
+_LABELS = {"F": "forward", "X": "fused tail", "R": "recompute", "B": "backward", "W": "weight grad", "H2D": "H2D", "D2H": "D2H",
            "wait": "wait"}
 
 

@@ -31,6 +31,13 @@ from lightning_roundpipe.schedule.program import StreamProgram
 log = logging.getLogger(__name__)
 
 
+def _fused_stages(partition: PartitionPlan):
+    """Stages of the fused path for ``partition``: forward stages clipped before the tail, the tail fused."""
+    tail = partition.backward_stages[0]
+    fwd = [range(r.start, min(r.stop, tail.start)) for r in partition.forward_stages]
+    return build_stages([r for r in fwd if len(r)], partition.backward_stages, fused_tail=True)
+
+
 def _once(state: PipelineState) -> None:
     if state.backward_done:
         raise RuntimeError(
@@ -124,6 +131,7 @@ class RoundPipeEngine:
         self.fused_loss = fused_loss
         self.auto_partition_after_steps = auto_partition_after_steps
         self.measured_profiles = None
+        self._last_call: tuple[int, bool] | None = None  # (microbatches, fused) of the last training call
         self._predictions: dict[int, tuple[StreamProgram, float]] = {}
         for name, value in (("auto_partition_after_steps", auto_partition_after_steps), ("profile_steps", profile_steps)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
@@ -174,9 +182,18 @@ class RoundPipeEngine:
         plan = self._plans.get(key)
         if plan is None:
             stages = self.fused_stages if fused else self.stages
-            plan = self._plans[key] = build_roundpipe_plan(stages, len(self.backends), num_microbatches, cursor,
-                                                           microbatches_per_round=self.microbatches_per_round)
+            plan = self._plans[key] = self._build_plan(stages, num_microbatches, cursor)
         return plan
+
+    def _build_plan(self, stages, num_microbatches: int, cursor: int) -> ExecutionPlan:
+        return build_roundpipe_plan(stages, len(self.backends), num_microbatches, cursor,
+                                    microbatches_per_round=self.microbatches_per_round)
+
+    def _lower(self, plan: ExecutionPlan) -> StreamProgram:
+        return lower(plan, stage_weight_bytes=[self.store.stage_bytes(s.layers) for s in plan.stages],
+                     stage_grad_bytes=[self.store.stage_grad_bytes(s.layers) if s.kind == "backward" else 0
+                                       for s in plan.stages],
+                     chunk_bytes=self.chunk_bytes)
 
     def program(self, num_microbatches: int, cursor: int, fused: bool = False, phase: str | None = None) -> StreamProgram:
         """The validated stream program of :meth:`plan` (or of its ``phase``), lowered with this
@@ -185,21 +202,14 @@ class RoundPipeEngine:
         program = self._programs.get(key)
         if program is None:
             plan = self.plan(num_microbatches, cursor, fused)
-            if phase is not None:
-                plan = plan.phase(phase)
-            program = self._programs[key] = lower(
-                plan, stage_weight_bytes=[self.store.stage_bytes(s.layers) for s in plan.stages],
-                stage_grad_bytes=[self.store.stage_grad_bytes(s.layers) if s.kind == "backward" else 0 for s in plan.stages],
-                chunk_bytes=self.chunk_bytes)
+            program = self._programs[key] = self._lower(plan if phase is None else plan.phase(phase))
         return program
 
     @property
     def fused_stages(self):
         """Stages of the fused path: forward stages clipped before the tail, the tail fused."""
         if self._fused_stages is None:
-            tail = self.partition.backward_stages[0]
-            fwd = [range(r.start, min(r.stop, tail.start)) for r in self.partition.forward_stages]
-            self._fused_stages = build_stages([r for r in fwd if len(r)], self.partition.backward_stages, fused_tail=True)
+            self._fused_stages = _fused_stages(self.partition)
         return self._fused_stages
 
     def _advance(self, n: int) -> int:
@@ -249,6 +259,8 @@ class RoundPipeEngine:
         if training and self.fused_loss and seq.loss_key and seq.has_loss and seq.has_loss(carry):
             return self._fused_forward(state, m, flat, sizes, grad_inputs)
         cursor = self._advance(n_fwd)
+        if training:
+            self._last_call = (m, False)
         self._run(self.program(m, cursor, phase="forward"), state)
         finals = [pytree.tree_flatten(state.final.pop(i)) for i in range(m)]
         spec = finals[0][1]
@@ -290,6 +302,7 @@ class RoundPipeEngine:
         so this is exact whatever the user does with the scalar loss).
         """
         state.grad_sink = {}
+        self._last_call = (m, True)
         self._run(self.program(m, self._advance(len(self.fused_stages)), fused=True), state)
         key = self.seq.loss_key
         loss = merge_leaves([[state.final.pop(i)[key]] for i in range(m)])[0]
@@ -344,10 +357,10 @@ class RoundPipeEngine:
         self.measured_profiles = profiles
         if self.auto_partition_after_steps is None:
             return None
-        from lightning_roundpipe.partition import auto_partition, describe_stages
-
-        new = auto_partition(profiles, len(self.backends), self.stage_memory_bytes)
+        new = self._choose_partition(profiles)
         if (new.forward_stages, new.backward_stages) != (self.partition.forward_stages, self.partition.backward_stages):
+            from lightning_roundpipe.partition import describe_stages
+
             rows = "\n".join(
                 f"  stage {s.stage_index:3d} {s.kind:8s} layers {s.layers.start}..{s.layers.stop - 1}"
                 f"  cost {s.cost_s * 1e3:9.3f} ms  params {s.param_bytes / 2**20:9.2f} MiB"
@@ -356,6 +369,34 @@ class RoundPipeEngine:
                      prof.steps_seen - prof.skip_steps, (new.objective_s or 0.0) * 1e3, rows)
             self.set_partition(new)
         return new
+
+    def _choose_partition(self, profiles) -> PartitionPlan:
+        """The partition to run from now on: each of the partitioner's methods (DESIGN.md section 6)
+        proposes one, and the simulator times the program each would run, on the measured layer
+        times; the fastest wins (ties: the partitioner's own objective, then ``"optimal"``)."""
+        from lightning_roundpipe.partition import METHODS, auto_partition
+
+        candidates = [auto_partition(profiles, len(self.backends), self.stage_memory_bytes, method=m) for m in METHODS]
+        if len(candidates) == 1 or self._last_call is None:
+            return candidates[0]
+        timed = [(self._simulated_step_s(c, profiles), i, c) for i, c in enumerate(candidates)]
+        best = min(timed, key=lambda t: (t[0], t[1]))
+        log.info("RoundPipe: simulated step per partition method: %s",
+                 ", ".join(f"{m} {t * 1e3:.1f} ms" for m, (t, _, _) in zip(METHODS, timed)))
+        return best[2]
+
+    def _simulated_step_s(self, partition: PartitionPlan, profiles) -> float:
+        """Simulated time of one step of the last call's shape (microbatches, fused or not) under ``partition``."""
+        from lightning_roundpipe.simulate import simulate_program
+
+        num_microbatches, fused = self._last_call
+        if fused:
+            plans = [self._build_plan(_fused_stages(partition), num_microbatches, 0)]
+        else:
+            plan = self._build_plan(build_stages(partition.forward_stages, partition.backward_stages), num_microbatches, 0)
+            plans = [plan.phase("forward"), plan.phase("backward")]
+        hardware = self.hardware_model()
+        return sum(simulate_program(self._lower(p), profiles, hardware).iteration_s for p in plans)
 
     def hardware_model(self):
         """The link model the prediction uses: on CUDA the measured pinned H2D/D2H rates of the first

@@ -107,6 +107,13 @@ def _present(plan: ExecutionPlan) -> set[int]:
 def input_producer(plan: ExecutionPlan, stage_index: int) -> int | None:
     """The stage whose ``F`` produces the input of ``stage_index``'s ``F``/``X``/``R``; ``None`` when
     the input comes from the host (the batch, or boundaries saved by an earlier program)."""
+    table = plan._meta.setdefault("_input_producer", {})
+    if stage_index not in table:
+        table[stage_index] = _input_producer(plan, stage_index)
+    return table[stage_index]
+
+
+def _input_producer(plan: ExecutionPlan, stage_index: int) -> int | None:
     spec = plan.stages[stage_index]
     present = _present(plan)
     forward = [s for s in plan.forward_stages if s.stage_index in present]
@@ -121,11 +128,26 @@ def input_producer(plan: ExecutionPlan, stage_index: int) -> int | None:
 
 
 def gradient_producer(plan: ExecutionPlan, stage_index: int) -> int | None:
-    """The backward stage whose ``X``/``B`` produces the gradient ``stage_index``'s ``B`` consumes;
-    ``None`` for the first backward stage (its gradient comes from the host)."""
+    """The stage whose download the gradient upload of ``stage_index``'s ``B`` waits for: the previous
+    backward stage (its ``X``/``B``); for the first backward stage, the last forward stage when the
+    program runs it too (the host turns that output into the loss gradient), else ``None`` (the
+    gradient comes from the host, e.g. the transparent path's backward program)."""
+    table = plan._meta.setdefault("_gradient_producer", {})
+    if stage_index not in table:
+        table[stage_index] = _gradient_producer(plan, stage_index)
+    return table[stage_index]
+
+
+def _gradient_producer(plan: ExecutionPlan, stage_index: int) -> int | None:
     backward = plan.backward_stages
     position = [s.stage_index for s in backward].index(stage_index)
-    if position == 0 or backward[position - 1].stage_index not in _present(plan):
+    if position == 0:
+        # the host computes the loss gradient from the last forward output: in a program that also
+        # runs the forward stages (not fused), the upload waits for that output's download
+        present = [s for s in plan.forward_stages if s.stage_index in _present(plan)]
+        ends = [s for s in present if s.layers.stop == plan.stages[stage_index].layers.stop]
+        return ends[0].stage_index if ends else None
+    if backward[position - 1].stage_index not in _present(plan):
         return None
     return backward[position - 1].stage_index
 
@@ -138,11 +160,24 @@ class _Draft:
         self.recompute = recompute
         self.streams: list[dict[str, list[Op]]] = [{s: [] for s in STREAMS} for _ in plan.actions]
         self.deps: dict[Op, list[Op]] = {}
+        self.after: dict[tuple[int, Op | None], list[Op]] = {}
+        self.chunks: dict[tuple[int, int], list[Op]] = {}  # d2h ops to insert after an op (None: at the end)
 
     def edge(self, consumer: Op, producer: Op) -> None:
         self.deps.setdefault(consumer, []).append(producer)
 
     def freeze(self, chunk_bytes: int) -> StreamProgram:
+        if self.after:
+            for d, per in enumerate(self.streams):
+                merged: list[Op] = []
+                for op in per["d2h"]:
+                    merged.append(op)
+                    merged.extend(self.after.pop((d, op), ()))
+                merged.extend(self.after.pop((d, None), ()))
+                per["d2h"] = merged
+            for (d, anchor), ops in self.after.items():  # an anchor that is not on the stream: at the end
+                self.streams[d]["d2h"].extend(ops)
+            self.after = {}
         streams = tuple({s: tuple(ops) for s, ops in per.items()} for per in self.streams)
         deps = {op: tuple(dict.fromkeys(ds)) for op, ds in self.deps.items() if ds}
         return StreamProgram(self.plan, streams, deps, chunk_bytes, self.recompute)
@@ -204,6 +239,7 @@ def _add_weight_transfers(draft: _Draft, stage_weight_bytes: Sequence[int] | Non
         chunks = [Op(OpKind.LOAD, s, None, c, r, nbytes=min(chunk_bytes, total - c * chunk_bytes) if total else 0)
                   for c in range(n_chunks)]
         draft.streams[d]["weights"].extend(chunks)
+        draft.chunks[(s, r)] = chunks
         if dispatch.room is not None:
             draft.edge(chunks[0], Op(OpKind.DROP, dispatch.room[0], None, None, dispatch.room[1]))
         if not dispatch.computes:
@@ -219,11 +255,9 @@ def _add_weight_transfers(draft: _Draft, stage_weight_bytes: Sequence[int] | Non
         for op in tail:
             draft.edge(op, last_op)
         # on the d2h stream right after the download of the dispatch's last compute that has one
-        d2h = draft.streams[d]["d2h"]
         with_download = [a for a in dispatch.computes if a.kind is not ActionKind.W]
         anchor = Op(OpKind.D2H, s, with_download[-1].microbatch_index) if with_download else None
-        at = d2h.index(anchor) + 1 if anchor in d2h else len(d2h)
-        d2h[at:at] = tail
+        draft.after.setdefault((d, anchor), []).extend(tail)
     return draft
 
 
@@ -242,8 +276,7 @@ def _add_activation_priority(draft: _Draft) -> _Draft:
             pending.append(Op(OpKind.H2D, action.stage_index, action.microbatch_index))
             if action.kind is ActionKind.B:
                 pending.append(Op(OpKind.GH2D, action.stage_index, action.microbatch_index))
-        chunks = [op for op in draft.streams[dispatch.device_index]["weights"]
-                  if op.stage_index == dispatch.stage_index and op.round_index == dispatch.round_index]
+        chunks = draft.chunks[(dispatch.stage_index, dispatch.round_index)]
         for chunk, upload in zip(chunks, pending):
             draft.edge(chunk, upload)
     return draft
@@ -287,8 +320,13 @@ def lower(
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"`recompute` must be one of {list(RECOMPUTE_MODES)}, got {recompute!r}.")
     for name, values in (("stage_weight_bytes", stage_weight_bytes), ("stage_grad_bytes", stage_grad_bytes)):
-        if values is not None and len(values) != len(plan.stages):
+        if values is None:
+            continue
+        if len(values) != len(plan.stages):
             raise ValueError(f"`{name}` has {len(values)} entries; the plan has {len(plan.stages)} stages (one per stage).")
+        bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+        if bad:
+            raise ValueError(f"`{name}` must hold ints >= 0 (bytes), got {bad[:3]}.")
     draft = _Draft(plan, recompute)
     draft = _add_compute(draft)
     draft = _add_activation_transfers(draft)
@@ -343,7 +381,7 @@ def _required_table(program: StreamProgram) -> dict[Op, list[Op]]:
                 need.setdefault(upload, []).append(Op(OpKind.D2H, producer, m))
             if action.kind is ActionKind.B:
                 grad = Op(OpKind.GH2D, s, m)
-                need.setdefault(compute, []).extend([first, grad])
+                need.setdefault(compute, []).extend([grad] if first == compute else [first, grad])
                 if program.recompute == "late":
                     need.setdefault(first, []).append(grad)
                 source = gradient_producer(plan, s)

@@ -127,6 +127,8 @@ class Op:
         if match is None:
             raise ValueError(f"Cannot parse stream op {text!r}: expected e.g. '3F1', '3H2D1', '0LOAD.c2' or '5DROP'.")
         stage, kind, mb, chunk, rnd = match.groups()
+        if rnd is not None and OpKind(kind).per_microbatch:
+            raise ValueError(f"Cannot parse stream op {text!r}: only per-stage ops (LOAD, WD2H, DROP) take a round suffix `@r`.")
         return cls(OpKind(kind), int(stage), int(mb) if mb else None, int(chunk) if chunk else None, int(rnd or 0))
 
 

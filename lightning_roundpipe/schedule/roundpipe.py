@@ -111,13 +111,15 @@ def build_roundpipe_plan(
     actions: list[tuple[Action, ...]] = []
     for dispatches in per_device:
         acts: list[Action] = []
-        if dispatches and prefetch:
-            acts.append(Action(dispatches[0][0].stage_index, ActionKind.LOAD))
+        loaded = False  # whether the current dispatch's LOAD is already listed (prefetched)
         for i, (spec, mbs) in enumerate(dispatches):
-            if not prefetch:
+            if not loaded:
                 acts.append(Action(spec.stage_index, ActionKind.LOAD))
-            elif i + 1 < len(dispatches):
-                acts.append(Action(dispatches[i + 1][0].stage_index, ActionKind.LOAD))
+            nxt = dispatches[i + 1][0] if i + 1 < len(dispatches) else None
+            # prefetch the next dispatch, unless it is the same stage again (a later round on this device)
+            loaded = prefetch and nxt is not None and nxt.stage_index != spec.stage_index
+            if loaded:
+                acts.append(Action(nxt.stage_index, ActionKind.LOAD))
             acts.extend(Action(spec.stage_index, spec.compute_kind, m) for m in mbs)
             acts.append(Action(spec.stage_index, ActionKind.DROP))
         actions.append(tuple(acts))

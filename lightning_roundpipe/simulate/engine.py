@@ -433,11 +433,8 @@ def _lower(plan: ExecutionPlan, profiles: list[LayerProfile], recompute: str | N
     weights = [0 if bound else sum(profiles[i].param_bytes for i in spec.layers) for spec in plan.stages]
     grads = [0 if bound or spec.kind == "forward" else sum(profiles[i].grad_bytes for i in spec.layers)
              for spec in plan.stages]
-    program = lower(plan, stage_weight_bytes=weights, stage_grad_bytes=grads, chunk_bytes=chunk_bytes,
-                    recompute=recompute, validate=False)
-    # TODO: validate "none" programs too once `lower.required_predecessors` stops listing a `B` without
-    # `R` as its own predecessor (it reports "`2B0` may start before `2B0` finishes")
-    return program.validate() if validate and program.recompute != "none" else program
+    return lower(plan, stage_weight_bytes=weights, stage_grad_bytes=grads, chunk_bytes=chunk_bytes,
+                 recompute=recompute, validate=validate)
 
 
 def simulate(
