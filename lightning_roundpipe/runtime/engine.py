@@ -371,19 +371,37 @@ class RoundPipeEngine:
         return new
 
     def _choose_partition(self, profiles) -> PartitionPlan:
-        """The partition to run from now on: each of the partitioner's methods (DESIGN.md section 6)
-        proposes one, and the simulator times the program each would run, on the measured layer
-        times; the fastest wins (ties: the partitioner's own objective, then ``"optimal"``)."""
-        from lightning_roundpipe.partition import METHODS, auto_partition
+        """The partition to run from now on, chosen by the simulator on the measured layer times.
 
+        Candidates: what each of the partitioner's methods proposes (DESIGN.md section 6), and the
+        uniform asymmetric cuts (forward stages of 1..4 layers, backward stages of 1..2) that fit
+        the stage memory budget; the simulator times the program each would run (same
+        microbatches, fused or not, the same link) and the fastest wins (ties: listed first). The
+        partitioner's objective, ``max(S, D) x`` the largest stage cost, does not see the fill and
+        drain of the round robin, which dominate with few devices and microbatches.
+        """
+        from lightning_roundpipe.partition import METHODS, auto_partition, plan_objective_s, stage_memory
+
+        n = len(self.seq)
         candidates = [auto_partition(profiles, len(self.backends), self.stage_memory_bytes, method=m) for m in METHODS]
-        if len(candidates) == 1 or self._last_call is None:
+        if self._last_call is None:
             return candidates[0]
-        timed = [(self._simulated_step_s(c, profiles), i, c) for i, c in enumerate(candidates)]
-        best = min(timed, key=lambda t: (t[0], t[1]))
-        log.info("RoundPipe: simulated step per partition method: %s",
-                 ", ".join(f"{m} {t * 1e3:.1f} ms" for m, (t, _, _) in zip(METHODS, timed)))
-        return best[2]
+        for forward_layers in range(1, 5):
+            for backward_layers in (1, 2):
+                _, bwd = default_stage_ranges(n, forward_layers, backward_layers)
+                tail = bwd[0]  # auto_partition's form: the forward stages end with the fused tail's range
+                fwd = tuple(range(i, min(i + forward_layers, tail.start)) for i in range(0, tail.start, forward_layers))
+                fwd += (tail,)
+                budget = self.stage_memory_bytes
+                if budget is None or all(stage_memory(profiles, r, kind) <= budget
+                                         for rs, kind in ((fwd, "forward"), (bwd, "backward")) for r in rs):
+                    uniform = PartitionPlan(fwd, bwd)
+                    candidates.append(PartitionPlan(fwd, bwd, plan_objective_s(uniform, profiles, len(self.backends))))
+        timed = [(self._simulated_step_s(c, profiles), i) for i, c in enumerate(candidates)]
+        best_s, best = min(timed)
+        log.info("RoundPipe: simulated step of %d candidate partitions: %.1f .. %.1f ms; chose candidate %d (%.1f ms)",
+                 len(timed), best_s * 1e3, max(t for t, _ in timed) * 1e3, best, best_s * 1e3)
+        return candidates[best]
 
     def _simulated_step_s(self, partition: PartitionPlan, profiles) -> float:
         """Simulated time of one step of the last call's shape (microbatches, fused or not) under ``partition``."""
