@@ -22,27 +22,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_roundpipe  # noqa: E402
 
-
-class RandomTokens(Dataset):
-    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (n, seq_len), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+sys.path.insert(0, os.path.dirname(__file__))
+from throughput import RandomTokens  # noqa: E402
 
 
 class LM(L.LightningModule):

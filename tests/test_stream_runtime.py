@@ -146,3 +146,35 @@ def test_bad_data_path_arguments(kwargs, match):
 def test_accelerators_other_than_cuda_and_cpu_get_a_clear_error(device):
     with pytest.raises(ValueError, match="does not support accelerator"):
         make_backends([torch.device(device)])
+
+
+def test_batchnorm_after_a_linear_in_one_backward_stage():
+    """Running statistics updated in place must not look like a change of the weights autograd saved
+    (views of one stage buffer share a version counter)."""
+    import lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class BN(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self.model(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(1)
+    x = torch.randn(16, 8)
+    states = []
+    for strategy in ("auto", lightning_roundpipe.RoundPipeStrategy(num_microbatches=1, forward_stages=[(0, 4)],
+                                                                   backward_stages=[(0, 4)])):
+        module = BN()
+        L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, strategy=strategy).fit(
+            module, DataLoader(TensorDataset(x, x[:, :3].argmax(1)), batch_size=16))
+        states.append({k: v.detach().clone().float() for k, v in module.state_dict().items()})
+    assert max((states[0][k] - states[1][k]).abs().max().item() for k in states[0]) <= TOL

@@ -373,6 +373,8 @@ class Executor:
         stop = min(start + run.program.chunk_bytes, layout.total_bytes)
         if stop > start:
             backend.copy_chunk(self.store.chunk_pieces(layout, resident.buffer, start, stop), stop - start)
+        if stop >= layout.total_bytes:
+            self.store.own_buffers(resident)
         return max(0, stop - start)
 
     def _h2d(self, backend: Backend, op: Op, run: ProgramRun) -> int:

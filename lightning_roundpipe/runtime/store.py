@@ -208,6 +208,18 @@ class WeightStore:
         return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs)
 
     @staticmethod
+    def own_buffers(resident: ResidentStage) -> None:
+        """After the stage's last chunk landed: give every buffer (BatchNorm running statistics...)
+        its own tensor. Views of one base share a version counter, so an in-place update of a
+        buffer view during the forward would look to autograd like a change of the weights it
+        saved (stream-ordered on CUDA: runs on the ``weights`` stream after the copies)."""
+        if not resident.buffer_pairs:
+            return
+        owned = {id(view): view.clone() for _, view in resident.buffer_pairs}
+        resident.views = [owned.get(id(v), v) for v in resident.views]
+        resident.buffer_pairs = [(master, owned[id(view)]) for master, view in resident.buffer_pairs]
+
+    @staticmethod
     def write_back_buffers(resident: ResidentStage) -> None:
         """Copy the stage's buffers (BatchNorm running statistics...) back into the masters.
 
