@@ -120,13 +120,14 @@ def test_predicted_step_is_logged_beside_the_measured_step():
     callback = Timelines()
     fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), devices=2, max_steps=5, callbacks=[callback],
                strategy=lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, profile_steps=2,
-                                                              cpu_link_bytes_per_s=20e6))
+                                                              cpu_link_bytes_per_s=2e6))  # transfers dominate
     rows = [m for m in callback.metrics if "roundpipe/predicted_step(s)" in m]
     assert rows, "no prediction after the profiled steps"
     for m in rows:
         step, predicted, pipeline = m["roundpipe/step(s)"], m["roundpipe/predicted_step(s)"], m["roundpipe/pipeline(s)"]
         assert step >= pipeline > 0 and "roundpipe/optimizer(s)" in m
-        assert 0.4 * step <= predicted <= 2.5 * step  # loose here; benchmarks/cpu_scaling.py reports the figure
+        # loose here (host-side Python per op is not simulated); benchmarks/cpu_scaling.py reports the figure
+        assert 0.5 * step <= predicted <= 2.0 * step, (step, predicted)
 
 
 @pytest.mark.parametrize("kwargs,match", [
