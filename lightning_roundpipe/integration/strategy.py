@@ -206,9 +206,6 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         stage_memory = None
         if devices[0].type == "cuda":
             stage_memory = torch.cuda.get_device_properties(devices[0]).total_memory // 2  # double buffering
-        if devices[0].type != "cpu" and (self.cpu_link_bytes_per_s is not None or self.debug_copy_delay_s):
-            raise ValueError("`cpu_link_bytes_per_s` and `debug_copy_delay_s` apply to CPU virtual devices only"
-                             f" (`accelerator='cpu'`), got devices {devices}. HINT: drop them on a GPU machine.")
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.engine = RoundPipeEngine(seq, devices, m, self.partition, precision.compute_dtype, precision.autocast_dtype,
                                       auto_partition_after_steps=self.profile_steps if auto else None,

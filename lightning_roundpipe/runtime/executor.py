@@ -108,13 +108,8 @@ class ProgramRun:
         self.peak_resident_bytes = [0] * num_devices
         # host inputs read by several uploads (a boundary the next forward stage and a backward
         # stage's recompute both start from): the last reader of this program frees the entry
-        self.readers: dict[int, int] = {}
-        for _, _, _, op in program.ops():
-            if op.kind is OpKind.H2D:
-                start = self.plan.stages[op.stage_index].layers.start
-                self.readers[start] = self.readers.get(start, 0) + (op.microbatch_index == 0)
+        self.readers, self.has_backward = _readers(program)
         self._readers_left: dict[tuple[int, int], int] = {}
-        self.has_backward = any(self.plan.stages[op.stage_index].kind == "backward" for _, _, _, op in program.ops())
         self.t0 = time.perf_counter()
 
     def take_input(self, layer_index: int, microbatch_index: int) -> Any:
@@ -144,6 +139,22 @@ class ProgramRun:
             self.resident_bytes[device_index] += nbytes
             self.peak_resident_bytes[device_index] = max(self.peak_resident_bytes[device_index],
                                                          self.resident_bytes[device_index])
+
+
+def _readers(program: StreamProgram) -> tuple[dict[int, int], bool]:
+    """Per layer index, how many uploads of one microbatch read the host input of that layer, and
+    whether the program runs backward stages (cached on the program: it is static)."""
+    cached = program._cache.get("readers")
+    if cached is None:
+        plan = program.plan
+        readers: dict[int, int] = {}
+        for _, _, _, op in program.ops():
+            if op.kind is OpKind.H2D and op.microbatch_index == 0:
+                start = plan.stages[op.stage_index].layers.start
+                readers[start] = readers.get(start, 0) + 1
+        has_backward = any(plan.stages[op.stage_index].kind == "backward" for _, _, _, op in program.ops())
+        cached = program._cache["readers"] = (readers, has_backward)
+    return cached
 
 
 def _with_context(error: BaseException, context: str) -> BaseException:

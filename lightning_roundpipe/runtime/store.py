@@ -238,7 +238,7 @@ class WeightStore:
             if sink is not None:
                 entry = sink.get(id(master))
                 if entry is None:
-                    sink[id(master)] = (master, grad if grad.data_ptr() else grad.clone())
+                    sink[id(master)] = (master, grad)
                 else:
                     entry[1].add_(grad)
             elif master.grad is None:
