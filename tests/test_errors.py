@@ -113,10 +113,21 @@ def test_bad_partition_is_reported():
         trainer(strategy, devices=2, max_steps=1).fit(MLPModule(), loader(VectorData()))
 
 
-@pytest.mark.parametrize("precision", ["16-true", "bf16-true", "64-true"])
+@pytest.mark.parametrize("precision", ["transformer-engine", "transformer-engine-float16", "8-mixed"])
 def test_unsupported_precision(precision):
-    with pytest.raises(ValueError, match="RoundPipePrecision"):
-        trainer("roundpipe", devices=2, precision=precision)
+    # Lightning builds no plugin RoundPipe could wrap for these (transformer-engine needs its package)
+    with pytest.raises(ValueError, match=r"RoundPipePrecision.*Valid options.*16-mixed.*HINT"):
+        lightning_roundpipe.RoundPipePrecision(precision)
+
+
+def test_unsupported_precision_plugin():
+    from lightning.pytorch.plugins.precision import Precision
+
+    class Custom(Precision):
+        pass
+
+    with pytest.raises(TypeError, match="RoundPipePrecision"):
+        trainer("roundpipe", devices=2, plugins=[Custom()])
 
 
 def test_bf16_mixed_trains():

@@ -88,13 +88,20 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             this many seconds late and its destination holds NaN meanwhile, so a missing
             dependency shows up as a wrong result (default 0: off).
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning strategies;
-            ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``.
+            ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``,
+            the precision plugin from ``Trainer(precision=...)``: Lightning's plugin is wrapped in a
+            :class:`~lightning_roundpipe.RoundPipePrecision` (``16-mixed`` on the CPU computes in
+            fp16 with loss scaling, where Lightning's own plugin would fall back to bf16).
 
     Raises:
         ValueError: for ``num_microbatches < 1``, a non-positive ``chunk_bytes``,
-            ``microbatches_per_round`` or ``cpu_link_bytes_per_s``, or a precision other than
-            ``32-true``/``bf16-mixed``; at setup, for an accelerator other than CPU and CUDA.
-        TypeError: for ill-typed arguments.
+            ``microbatches_per_round`` or ``cpu_link_bytes_per_s``; for a precision other than
+            ``32-true``, ``64-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
+            (:class:`~lightning_roundpipe.RoundPipePrecision`); at setup, for an accelerator other
+            than CPU and CUDA.
+        TypeError: for ill-typed arguments, or a precision plugin other than Lightning's
+            ``Precision``, ``MixedPrecision``, ``HalfPrecision``, ``DoublePrecision`` and
+            :class:`~lightning_roundpipe.RoundPipePrecision`.
     """
 
     strategy_name = "roundpipe"
@@ -138,6 +145,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             raise ValueError(f"`debug_copy_delay_s` must be a number of seconds >= 0, got {debug_copy_delay_s!r}.")
         if (forward_stages is None) != (backward_stages is None):
             raise ValueError("Pass both `forward_stages` and `backward_stages`, or neither (default partition).")
+        # the plugin used while none is set; not stored in `_precision_plugin`, which Lightning reads as the user's choice
+        self._default_precision = RoundPipePrecision()
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.parallel_devices = parallel_devices
         self.num_microbatches = num_microbatches
@@ -157,8 +166,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
     # ------------------------------------------------------------------ precision
     @property
     @override
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else RoundPipePrecision()
+    def precision_plugin(self) -> RoundPipePrecision:
+        return self._precision_plugin if self._precision_plugin is not None else self._default_precision
 
     @precision_plugin.setter
     @override
@@ -213,7 +222,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
                                       chunk_bytes=self.chunk_bytes, microbatches_per_round=self.microbatches_per_round,
                                       cpu_link_bytes_per_s=self.cpu_link_bytes_per_s,
                                       debug_copy_delay_s=self.debug_copy_delay_s,
-                                      profile_steps=self.profile_steps if fitting else None)
+                                      profile_steps=self.profile_steps if fitting else None,
+                                      loss_seed=precision.loss_seed)
         self.engine.install()
         log.info("RoundPipe: pipelining `%s` (%s, %d layers) on %d device(s), %d microbatches",
                  type(seq.target).__name__, seq.family, len(seq), len(devices), m)

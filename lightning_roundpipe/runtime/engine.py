@@ -8,9 +8,10 @@ creates it, installs it and reads its metrics.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -89,6 +90,10 @@ class RoundPipeEngine:
         profile_steps: profile every layer during this many training steps (>= 2, the first is
             dropped) to predict step times with the simulator (:meth:`predict_s`), also without
             the automatic partition; ``None``: only when ``auto_partition_after_steps`` is set.
+        loss_seed: fused path: called at every fused call, returns the gradient (a finite float
+            > 0) the fused tail seeds its loss's backward with on the devices, e.g. the current
+            loss scale under fp16 so device gradients do not underflow; the CPU gradient buffers
+            are divided by it again when the returned loss's backward scales them. ``None``: 1.0.
 
     Raises:
         ValueError: for an empty device list, ``num_microbatches < 1``, a partition that does not
@@ -101,7 +106,7 @@ class RoundPipeEngine:
                  stage_memory_bytes: int | None = None, fused_loss: bool = True,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, microbatches_per_round: int | None = None,
                  cpu_link_bytes_per_s: float | None = None, debug_copy_delay_s: float = 0.0,
-                 profile_steps: int | None = None) -> None:
+                 profile_steps: int | None = None, loss_seed: Callable[[], float] | None = None) -> None:
         if not devices:
             raise ValueError("`devices` is empty: RoundPipe needs at least one device.")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -129,6 +134,7 @@ class RoundPipeEngine:
         self._warned_small_batch = False
         self.stage_memory_bytes = stage_memory_bytes
         self.fused_loss = fused_loss
+        self.loss_seed = loss_seed
         self.auto_partition_after_steps = auto_partition_after_steps
         self.measured_profiles = None
         self._last_call: tuple[int, bool] | None = None  # (microbatches, fused) of the last training call
@@ -297,10 +303,18 @@ class RoundPipeEngine:
                        grad_inputs: list) -> Any:
         """The fused path: the whole step runs now; the returned loss's backward scales the buffers.
 
-        Gradients land in CPU buffers (``state.grad_sink``); the node's backward adds
-        ``grad_output * buffer`` into each parameter's ``.grad`` (gradients are linear in the seed,
-        so this is exact whatever the user does with the scalar loss).
+        Gradients land in CPU buffers (``state.grad_sink``), computed with the backward seeded by
+        ``loss_seed``; the node's backward adds ``buffer * (grad_output / loss_seed)`` into each
+        parameter's ``.grad`` (gradients are linear in the seed, so this is exact whatever the user
+        does with the scalar loss, e.g. Lightning's loss scaling under fp16).
+
+        Raises:
+            ValueError: when ``loss_seed()`` is not a finite number > 0.
         """
+        seed = 1.0 if self.loss_seed is None else float(self.loss_seed())
+        if not (math.isfinite(seed) and seed > 0):
+            raise ValueError(f"The fused path's `loss_seed()` must be a finite number > 0, got {seed!r}.")
+        state.loss_seed = seed
         state.grad_sink = {}
         self._last_call = (m, True)
         self._run(self.program(m, self._advance(len(self.fused_stages)), fused=True), state)
@@ -310,7 +324,8 @@ class RoundPipeEngine:
         input_grads = self._input_grads(state, batch_leaves, sizes)
 
         def scaled(buf: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-            return buf if bool(g == 1) else buf * g.to(buf.dtype)
+            factor = g if seed == 1.0 else g / seed  # the incoming gradient in units of the seed
+            return buf if bool(factor == 1) else buf * factor.to(buf.dtype)
 
         def run_backward(grads: list) -> list:
             _once(state)
