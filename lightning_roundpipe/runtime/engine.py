@@ -461,9 +461,9 @@ class RoundPipeEngine:
     # ------------------------------------------------------------------ metrics
     def host_memory(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> HostMemory:
         """Host bytes of the model's parameters by category (masters, shadows, gradients, host
-        gradient buffers, the state of ``optimizers``), trainable and frozen apart; the gradient
-        buffers are the peak since the last call (:func:`~lightning_roundpipe.runtime.memory.host_memory`)."""
-        return host_memory(self.store, optimizers, self.executor.pop_peak_grad_buffer_bytes())
+        gradient buffers at the peak since the last call, the state of ``optimizers``), trainable
+        and frozen apart (:func:`~lightning_roundpipe.runtime.memory.host_memory`)."""
+        return host_memory(self.store, optimizers, self.executor.pop_peak_grad_bytes())
 
     def pop_timelines(self) -> list[Timeline]:
         """Timelines of the phases run since the last call (forward and backward phases)."""

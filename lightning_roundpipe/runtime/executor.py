@@ -117,9 +117,10 @@ class ProgramRun:
         # stage's recompute both start from): the last reader of this program frees the entry
         self.readers, self.has_backward = _readers(program)
         self._readers_left: dict[tuple[int, int], int] = {}
-        # host gradient buffers: downloaded by WD2H and not yet added, plus the fused path's sink
+        # host gradient buffers (downloaded by WD2H and not yet added, the fused path's sink) and
+        # the most bytes they and the masters' .grad held at once
         self.grad_buffer_bytes = 0
-        self.peak_grad_buffer_bytes = 0
+        self.peak_grad_bytes = 0
         self.t0 = time.perf_counter()
 
     def take_input(self, layer_index: int, microbatch_index: int) -> Any:
@@ -144,10 +145,11 @@ class ProgramRun:
                 self.error, self.error_context = error, context
         self.abort.set()
 
-    def add_grad_buffer_bytes(self, nbytes: int) -> None:
+    def add_grad_buffer_bytes(self, nbytes: int, grad_bytes: int) -> None:
+        """``nbytes`` more (or fewer) bytes of host gradient buffers, while ``.grad`` holds ``grad_bytes``."""
         with self._lock:
             self.grad_buffer_bytes += nbytes
-            self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
+            self.peak_grad_bytes = max(self.peak_grad_bytes, self.grad_buffer_bytes + grad_bytes)
 
     def add_resident(self, device_index: int, nbytes: int) -> None:
         with self._lock:
@@ -225,17 +227,18 @@ class Executor:
         self.replicas = [[LayerReplica(layer) for layer in seq.layers] for _ in backends]
         self.host = StreamThread("roundpipe-host-grads")
         self._layer_names: list[str] | None = None  # names in the model, for error notes (built on the first error)
-        self.peak_grad_buffer_bytes = 0  # most host gradient buffer bytes at once since the last pop
+        self.peak_grad_bytes = 0  # most bytes of gradients (.grad and host buffers) at once since the last pop
         self._dispatch: dict[OpKind, Callable[[Backend, Op, ProgramRun], int]] = {
             OpKind.LOAD: self._load, OpKind.H2D: self._h2d, OpKind.GH2D: self._gh2d,
             OpKind.F: self._forward, OpKind.X: self._fused, OpKind.R: self._recompute, OpKind.B: self._backward,
             OpKind.D2H: self._d2h, OpKind.WD2H: self._wd2h, OpKind.DROP: self._drop,
         }
 
-    def pop_peak_grad_buffer_bytes(self) -> int:
-        """Most bytes the host gradient buffers (``WD2H`` downloads not yet added into ``.grad``,
-        the fused path's gradient buffers) held at once since the last call."""
-        out, self.peak_grad_buffer_bytes = self.peak_grad_buffer_bytes, 0
+    def pop_peak_grad_bytes(self) -> int:
+        """Most bytes the gradients held at once during the programs since the last call: the
+        masters' ``.grad`` plus the host gradient buffers (``WD2H`` downloads not yet added, the
+        fused path's gradient buffers)."""
+        out, self.peak_grad_bytes = self.peak_grad_bytes, 0
         return out
 
     def close(self) -> None:
@@ -272,7 +275,7 @@ class Executor:
             for job in jobs:
                 job.wait(30)
             raise
-        self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, run.peak_grad_buffer_bytes)
+        self.peak_grad_bytes = max(self.peak_grad_bytes, run.peak_grad_bytes)
         if run.error is not None:
             error = run.error
             error.add_note(run.error_context)
@@ -342,7 +345,8 @@ class Executor:
                     self.backends[dispatch.device_index].host_wait(event)
                 pairs = run.host_grads.pop((dispatch.stage_index, dispatch.round_index), [])
                 retained = self.store.add_grads(pairs, run.state.grad_sink)
-                run.add_grad_buffer_bytes(retained - sum(g.numel() * g.element_size() for _, g in pairs))
+                run.add_grad_buffer_bytes(retained - sum(g.numel() * g.element_size() for _, g in pairs),
+                                          self.store.grad_bytes())
         except _Aborted:
             return
         except BaseException as error:
@@ -468,7 +472,7 @@ class Executor:
             pairs += accumulator.host_pairs(host[-1])
         run.host_grads[(op.stage_index, op.round_index)] = pairs
         nbytes = sum(g.numel() * g.element_size() for g in host)
-        run.add_grad_buffer_bytes(sum(g.numel() * g.element_size() for _, g in pairs))
+        run.add_grad_buffer_bytes(sum(g.numel() * g.element_size() for _, g in pairs), self.store.grad_bytes())
         return nbytes
 
     def _drop(self, backend: Backend, op: Op, run: ProgramRun) -> int:

@@ -8,15 +8,19 @@ measures the same categories on the live objects, split by trainable and frozen 
   a frozen parameter held in the compute dtype is its own compute copy, so it counts here, once);
 - ``shadow_bytes``: separate compute-dtype copies (the weight store's shadows, only where a shadow
   is not the master itself);
-- ``grad_bytes``: ``.grad`` tensors;
-- ``grad_buffer_bytes``: host gradient buffers (``WD2H`` downloads not yet added into ``.grad``,
-  the fused path's gradient buffers), the most held at once since the last report (they are
-  transient: a pinned download buffer on CUDA, a host copy on CPU virtual devices);
+- ``grad_bytes``: ``.grad`` tensors, now;
+- ``grad_buffer_bytes``: host gradient buffers (``WD2H`` downloads not yet added into ``.grad``, the
+  fused path's gradient buffers: transient, a pinned download buffer on CUDA, a host copy on CPU
+  virtual devices) at the step's peak, counted as what the gradients held then beyond today's
+  ``.grad``: ``grad_bytes + grad_buffer_bytes`` is the most gradient memory the step used (a
+  buffer that became the ``.grad`` itself counts once);
 - ``optimizer_bytes``: tensors in ``optimizer.state`` of the parameters (Adam's ``exp_avg``,
   ``exp_avg_sq`` and ``step``; SGD's momentum buffer).
 
 Tied parameters count once. Model buffers (rotary ``inv_freq``, BatchNorm statistics) are
-``buffer_bytes``. Bytes are host (CPU) bytes; device memory is not counted.
+``buffer_bytes``. ``total_bytes`` is then the step's peak host memory for the model (masters, shadows
+and optimizer state do not change during a step). Bytes are host (CPU) bytes; device memory (the
+fp32 gradient accumulator of a backward stage, for one) is not counted.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class HostBytes:
         master_bytes: the parameter tensors, bytes.
         shadow_bytes: separate compute-dtype copies, bytes.
         grad_bytes: ``.grad`` tensors, bytes.
-        grad_buffer_bytes: host gradient buffers (peak since the last report), bytes.
+        grad_buffer_bytes: host gradient buffers at the peak, beyond ``grad_bytes``, bytes.
         optimizer_bytes: optimizer state tensors, bytes.
     """
 
@@ -94,15 +98,16 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def host_memory(store: WeightStore, optimizers: Iterable[torch.optim.Optimizer] = (),
-                grad_buffer_bytes: int = 0) -> HostMemory:
+                peak_grad_bytes: int = 0) -> HostMemory:
     """Count the host bytes of the parameters and buffers of ``store``'s layers.
 
     Args:
         store: the weight store (its masters are the model's parameters).
         optimizers: optimizers whose ``state`` is counted (state of parameters outside the store
             is ignored).
-        grad_buffer_bytes: host gradient buffers, bytes (the executor's peak; all of trainable
-            parameters: frozen parameters have none).
+        peak_grad_bytes: the most bytes ``.grad`` and the host gradient buffers held at once
+            during the step (:meth:`~lightning_roundpipe.runtime.executor.Executor.pop_peak_grad_bytes`);
+            all of it is trainable parameters': frozen parameters have no gradient.
 
     Returns:
         A :class:`HostMemory`.
@@ -128,5 +133,6 @@ def host_memory(store: WeightStore, optimizers: Iterable[torch.optim.Optimizer] 
         group["shadow_bytes"] += _nbytes(shadow) if separate else 0
         group["grad_bytes"] += _nbytes(master.grad) if master.grad is not None else 0
         group["optimizer_bytes"] += state_bytes.get(key, 0)
+    grad_buffer_bytes = max(0, peak_grad_bytes - groups[True]["grad_bytes"] - groups[False]["grad_bytes"])
     return HostMemory(trainable=HostBytes(grad_buffer_bytes=grad_buffer_bytes, **groups[True]),
                       frozen=HostBytes(**groups[False]), buffer_bytes=buffer_bytes)

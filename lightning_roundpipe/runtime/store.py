@@ -299,6 +299,11 @@ class WeightStore:
         for master, view in resident.buffer_pairs:
             master.copy_(view)
 
+    def grad_bytes(self) -> int:
+        """Bytes of the trainable masters' ``.grad`` now (host)."""
+        return sum(e.master.grad.numel() * e.master.grad.element_size() for e in self.tensors.values()
+                   if e.is_param and e.master.grad is not None)
+
     @staticmethod
     def add_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], sink: dict | None) -> int:
         """Add host gradients into ``master.grad`` (cast to the master's dtype), or into
