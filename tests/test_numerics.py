@@ -32,9 +32,10 @@ def _wide_mlp() -> nn.Sequential:
     return model
 
 
-def _grad_errors(kind: str, microbatches: list[int]) -> tuple[list[float], list[float]]:
+def _grad_errors(kind: str, microbatches: list[int], devices: list | None = None) -> tuple[list[float], list[float]]:
     """Relative gradient error (all parameters; the tied embedding alone for Llama) of bf16-mixed
-    RoundPipe against an fp32 plain-torch backward of the same batch."""
+    RoundPipe (on ``devices``, default 2 CPU virtual devices) against an fp32 plain-torch backward of
+    the same batch on the CPU."""
     if kind == "mlp":
         torch.manual_seed(3)
         x, y = torch.randn(64, 32).bfloat16().float(), torch.randint(0, 8, (64,))
@@ -69,7 +70,7 @@ def _grad_errors(kind: str, microbatches: list[int]) -> tuple[list[float], list[
     errors, tied_errors = [], []
     for m in microbatches:
         model = make()
-        engine = RoundPipeEngine(make_layer_sequence(model), [torch.device("cpu")] * 2, num_microbatches=m,
+        engine = RoundPipeEngine(make_layer_sequence(model), devices or [torch.device("cpu")] * 2, num_microbatches=m,
                                  compute_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16)
         engine.install()
         try:

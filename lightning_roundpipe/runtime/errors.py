@@ -12,7 +12,7 @@ indices: layer 0 of a Hugging Face layer sequence is the embedding prefix, so se
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from torch import nn
 
@@ -89,3 +89,35 @@ def context_note(device_index: int, device: str, op: str, stream: str, stage: st
         else:
             parts.append(f"layer `{layer_name}` (layer {index} of the layer sequence), in `{inner}` ({type_name})")
     return ", ".join(parts)
+
+
+class ErrorNotes:
+    """Builds the note of a stream thread's exception for one layer sequence (the layers' names in
+    the model are computed on the first error).
+
+    Args:
+        seq: the layer sequence the executor runs.
+    """
+
+    def __init__(self, seq: LayerSequence) -> None:
+        self.seq = seq
+        self._layer_names: list[str] | None = None
+
+    def note(self, error: BaseException, device_index: int, device: str, op: Any, stream: str, spec: Any,
+             replicas: Sequence) -> str:
+        """The note for ``error`` raised by ``op`` (its ``microbatch_index`` is read) of stage
+        ``spec`` (a :class:`~lightning_roundpipe.schedule.plan.StageSpec`) on ``stream`` of device
+        ``device_index``, whose layer replicas are ``replicas``. Never raises: a failure to name the
+        layer leaves the layer out."""
+        where = layer_name = None
+        stage = spec.describe()
+        try:
+            if self._layer_names is None:
+                self._layer_names = layer_module_names(self.seq)
+            where = failing_module(error, replicas, self.seq)
+            layer_name = None if where is None else self._layer_names[where[0]]
+            first, last = self._layer_names[spec.layers.start], self._layer_names[spec.layers.stop - 1]
+            stage += f" = `{first}`" if first == last else f" = `{first}` .. `{last}`"
+        except Exception:  # never hide the user's error behind one of ours
+            where = None
+        return context_note(device_index, device, str(op), stream, stage, op.microbatch_index, layer_name, where)

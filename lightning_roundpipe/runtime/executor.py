@@ -43,7 +43,7 @@ from lightning_roundpipe.metrics.timeline import Interval, Timeline
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
 from lightning_roundpipe.runtime.carry import diff_leaves, grad_leaves, grad_positions, snapshot
 from lightning_roundpipe.runtime.devices import StreamThread
-from lightning_roundpipe.runtime.errors import context_note, failing_module, layer_module_names
+from lightning_roundpipe.runtime.errors import ErrorNotes
 from lightning_roundpipe.runtime.replica import LayerReplica
 from lightning_roundpipe.runtime.store import WeightStore
 from lightning_roundpipe.schedule.lower import plan_dispatches
@@ -226,7 +226,7 @@ class Executor:
         self.profiler = None  # a runtime.profiler.LayerProfiler while profiling
         self.replicas = [[LayerReplica(layer) for layer in seq.layers] for _ in backends]
         self.host = StreamThread("roundpipe-host-grads")
-        self._layer_names: list[str] | None = None  # names in the model, for error notes (built on the first error)
+        self.error_notes = ErrorNotes(seq)
         self.peak_grad_bytes = 0  # most bytes of gradients (.grad and host buffers) at once since the last pop
         self._dispatch: dict[OpKind, Callable[[Backend, Op, ProgramRun], int]] = {
             OpKind.LOAD: self._load, OpKind.H2D: self._h2d, OpKind.GH2D: self._gh2d,
@@ -313,23 +313,8 @@ class Executor:
         except _Aborted:
             return
         except BaseException as error:
-            run.fail(error, self._error_note(error, backend, stream, op, run))
-
-    def _error_note(self, error: BaseException, backend: Backend, stream: str, op: Op, run: ProgramRun) -> str:
-        spec = run.plan.stages[op.stage_index]
-        try:
-            where = failing_module(error, self.replicas[backend.device_index], self.seq)
-            if self._layer_names is None:
-                self._layer_names = layer_module_names(self.seq)
-            layer_name = None if where is None else self._layer_names[where[0]]
-        except Exception:  # never hide the user's error behind one of ours
-            where = layer_name = None
-        stage = spec.describe()
-        if self._layer_names is not None:
-            first, last = self._layer_names[spec.layers.start], self._layer_names[spec.layers.stop - 1]
-            stage += f" = `{first}`" if first == last else f" = `{first}` .. `{last}`"
-        return context_note(backend.device_index, str(backend.device), str(op), stream, stage, op.microbatch_index,
-                            layer_name, where)
+            run.fail(error, self.error_notes.note(error, backend.device_index, str(backend.device), op, stream,
+                                                  run.plan.stages[op.stage_index], self.replicas[backend.device_index]))
 
     def _commit_grads(self, run: ProgramRun) -> None:
         """Host thread: add each backward dispatch's gradients, in (round, backward stage) order."""
