@@ -175,8 +175,9 @@ def test_in_place_ops_parity(devices, num_microbatches):
     got = fit_params(InPlaceMLP, VectorData(), devices=devices, **COMMON,
                      strategy=lightning_roundpipe.RoundPipeStrategy(num_microbatches=num_microbatches))
     diff = max_diff(ref, got)
-    print(f"in-place MLP devices={devices} microbatches={num_microbatches}: max abs diff {diff:.3e}")
-    assert diff <= TOL
+    message = f"in-place MLP devices={devices} microbatches={num_microbatches}: max abs diff {diff:.3e}"
+    print(message)
+    assert diff <= TOL, message
     assert max_diff(got, fit_params(InPlaceMLP, VectorData(), max_steps=0)) > 1e-3  # training changed the weights
 
 
