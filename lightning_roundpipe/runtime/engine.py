@@ -22,6 +22,7 @@ from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.autograd import attach
 from lightning_roundpipe.runtime.backends import make_backends
 from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
+from lightning_roundpipe.runtime.memory import HostMemory, host_memory
 from lightning_roundpipe.runtime.microbatch import merge_input_grads, merge_leaves, split_grads, split_microbatches
 from lightning_roundpipe.runtime.profiler import LayerProfiler
 from lightning_roundpipe.runtime.store import WeightStore
@@ -163,9 +164,12 @@ class RoundPipeEngine:
         self._original_forward = None
 
     def close(self) -> None:
-        """Uninstall and stop the worker threads."""
+        """Uninstall, stop the worker threads and give frozen parameters held in the compute dtype
+        their original dtype back (values stay rounded to the compute dtype: see
+        :meth:`~lightning_roundpipe.runtime.store.WeightStore.restore_frozen`)."""
         self.uninstall()
         self.executor.close()
+        self.store.restore_frozen()
 
     def set_partition(self, partition: PartitionPlan) -> None:
         """Use new stage boundaries from the next call on (e.g. from the automatic partitioner)."""
@@ -470,6 +474,12 @@ class RoundPipeEngine:
         return out
 
     # ------------------------------------------------------------------ metrics
+    def host_memory(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> HostMemory:
+        """Host bytes of the model's parameters by category (masters, shadows, gradients, host
+        gradient buffers at the peak since the last call, the state of ``optimizers``), trainable
+        and frozen apart (:func:`~lightning_roundpipe.runtime.memory.host_memory`)."""
+        return host_memory(self.store, optimizers, self.executor.pop_peak_grad_bytes())
+
     def pop_timelines(self) -> list[Timeline]:
         """Timelines of the phases run since the last call (forward and backward phases)."""
         with self._lock:
