@@ -53,9 +53,9 @@ def test_default_composes() -> None:
     assert cfg.strategy._target_ == "lightning_roundpipe.RoundPipeStrategy"
     assert cfg.strategy.num_microbatches is None
     assert cfg.trainer.precision == "bf16-mixed"
-    assert cfg.model.model._target_ == "lightning_roundpipe.cli.smollm2.load_smollm2_model"
+    assert cfg.model.model._target_ == "lightning_roundpipe.recipes.smollm2.load_smollm2_model"
     assert cfg.model.lora._target_ == "peft.LoraConfig"
-    assert cfg.data._target_ == "lightning_roundpipe.cli.finetune.ShakespeareDataModule"
+    assert cfg.data._target_ == "lightning_roundpipe.recipes.finetune.ShakespeareDataModule"
     assert cfg.logger.wandb._target_.endswith("WandbLogger")
     if torch.cuda.is_available():
         assert cfg.trainer.accelerator == "cuda"
@@ -177,7 +177,7 @@ def test_datamodule_rejects_a_split_without_validation_files() -> None:
 
 
 def test_module_config_wraps_the_model_with_lora() -> None:
-    from lightning_roundpipe.cli.smollm2 import tiny_smollm2
+    from lightning_roundpipe.recipes.smollm2 import tiny_smollm2
 
     cfg = _compose()
     module = instantiate(cfg.model, model=tiny_smollm2())  # the default config, a tiny model
