@@ -1,7 +1,7 @@
 """The main job: ``python -m lightning_roundpipe.train [hydra overrides]``.
 
 Fine-tunes SmolLM2-135M-Instruct with LoRA on Shakespeare with ``strategy=roundpipe`` (configs in the
-top-level ``conf/`` folder; see ``docs/main_job.md``). Prints the validation loss before and after
+top-level ``conf/`` folder, shipped in the wheel as ``lightning_roundpipe/conf``; see ``docs/main_job.md``). Prints the validation loss before and after
 training and the wall time::
 
     python -m lightning_roundpipe.train
@@ -30,8 +30,15 @@ and fitting; it leaves out the interpreter's own start-up (tens of ms) and whate
 before (``bash -c "...; python ..."`` execs the last command in the shell's process, so the process
 start time would count the earlier commands too)."""
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-"""The Hydra config folder (top-level ``conf/`` of the source tree; the package is installed editable)."""
+
+def _conf_dir() -> Path:
+    packaged = Path(__file__).resolve().parent / "conf"  # an installed wheel (setup.py ships conf/ there)
+    return packaged if (packaged / "train.yaml").is_file() else Path(__file__).resolve().parent.parent / "conf"
+
+
+CONF_DIR = _conf_dir()
+"""The Hydra config folder: ``lightning_roundpipe/conf`` of an installed wheel, else the top-level ``conf/``
+of the source tree (an editable install, or the repository on ``PYTHONPATH``)."""
 
 
 def _accelerator() -> str:

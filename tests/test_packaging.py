@@ -1,0 +1,48 @@
+"""The wheel ships the Hydra configs: `conf/` works from an installed wheel, not only from the repository."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "outputs", "multirun", "wandb", "*.egg-info",
+                                "__pycache__", ".pytest_cache", "lightning_logs")
+
+
+def test_wheel_ships_conf_and_the_app_composes_from_it(tmp_path: Path) -> None:
+    # build from a copy: setuptools reuses ./build, which could hold files deleted since
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=IGNORE)
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", *isolation, "-w", str(tmp_path / "dist"),
+                          "-q"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("lightning_roundpipe-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    conf_files = sorted(p.relative_to(ROOT / "conf").as_posix() for p in (ROOT / "conf").rglob("*.yaml"))
+    assert conf_files and "train.yaml" in conf_files
+    missing = [f for f in conf_files if f"lightning_roundpipe/conf/{f}" not in names]
+    assert not missing, f"not in the wheel: {missing}"
+    assert "lightning_roundpipe/simulate/data/paper_layer_timings_4090.csv" in names
+
+    # install it alone (no source tree on the path, another working directory) and run the app's `--cfg job`
+    site = tmp_path / "site"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site),
+                          str(wheel)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(site), "WANDB_MODE": "disabled"}
+    code = ("import sys, lightning_roundpipe.train as t; print(t.CONF_DIR); sys.argv = ['train', '--cfg', 'job',"
+            " 'trainer.max_steps=5', 'model=tiny_lora']; t.main()")
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    out = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    conf_dir, _, config = out.stdout.partition("\n")
+    assert Path(conf_dir) == site / "lightning_roundpipe" / "conf"
+    assert "max_steps: 5" in config and "lightning_roundpipe.recipes.smollm2.tiny_smollm2" in config
