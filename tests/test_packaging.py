@@ -29,7 +29,8 @@ def test_wheel_ships_conf_and_the_app_composes_from_it(tmp_path: Path) -> None:
     assert conf_files and "train.yaml" in conf_files
     missing = [f for f in conf_files if f"lightning_roundpipe/conf/{f}" not in names]
     assert not missing, f"not in the wheel: {missing}"
-    assert "lightning_roundpipe/simulate/data/paper_layer_timings_4090.csv" in names
+    data = sorted(p.name for p in (ROOT / "lightning_roundpipe" / "simulate" / "data").iterdir() if p.suffix in (".csv", ".md"))
+    assert data and all(f"lightning_roundpipe/simulate/data/{name}" in names for name in data), data
 
     # install it alone (no source tree on the path, another working directory) and run the app's `--cfg job`
     site = tmp_path / "site"
