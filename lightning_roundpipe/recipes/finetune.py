@@ -227,6 +227,11 @@ class ShakespeareDataModule(pl.LightningDataModule):
         self.val_set: BlockDataset | None = None
 
     @property
+    def tokens_per_batch(self) -> int:
+        """Tokens in one training batch: ``batch_size * seq_len`` (blocks are packed: no padding)."""
+        return self.batch_size * self.seq_len
+
+    @property
     def tokenizer(self) -> "PreTrainedTokenizerBase":
         """The tokenizer (loaded on first use if a loader was given)."""
         if not hasattr(self._tokenizer_source, "encode"):
