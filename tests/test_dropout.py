@@ -100,8 +100,9 @@ RANDOM_OPS = {
     "torch.ops.aten.rand.default": lambda: torch.ops.aten.rand.default([50]),
     "torch.ops.aten.bernoulli_": lambda: torch.ops.aten.bernoulli_(X.clone(), 0.5),
 }
-torch.manual_seed(0)
-_MHA = nn.MultiheadAttention(16, 2, dropout=0.5)
+with torch.random.fork_rng(devices=[]):
+    torch.manual_seed(0)
+    _MHA = nn.MultiheadAttention(16, 2, dropout=0.5)
 
 
 @pytest.mark.parametrize("name", sorted(RANDOM_OPS))
