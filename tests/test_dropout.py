@@ -223,6 +223,16 @@ def test_explicit_global_generator_in_a_random_layer_raises():
             torch.rand(3, generator=torch.default_generator)
 
 
+def test_stacked_rnn_dropout_raises_and_single_layer_passes():
+    x = torch.randn(5, 3, 8)
+    with pytest.raises(ValueError, match=r"`torch.lstm`.*num_layers=2, dropout=0.2.*HINT"):
+        with rng_scope(1, CPU):
+            nn.LSTM(8, 8, num_layers=2, dropout=0.2)(x)
+    with rng_scope(1, CPU):
+        nn.LSTM(8, 8, num_layers=2, dropout=0.2).eval()(x)  # no dropout outside training
+        nn.GRU(8, 8, num_layers=1)(x)
+
+
 def test_scopes_in_threads_are_private():
     """Four threads in scopes with the same seed, at once: each gets the full stream of that seed."""
     barrier = threading.Barrier(4, timeout=30)

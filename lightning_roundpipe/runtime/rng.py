@@ -27,8 +27,9 @@ dropout modules, Hugging Face attention dropout, PEFT's ``lora_dropout``) runs e
 - fused attention kernels with dropout on CUDA (flash, memory-efficient, cuDNN) read the device's
   default generator when launched: for that launch it is loaded with the private generator's state
   and restored right after (only the device's compute thread launches random kernels there, so the
-  swap is private to the call). A random ATen op called directly (``torch.ops.aten...``) without a
-  generator argument and not covered so (cuDNN RNNs with ``dropout > 0``) raises ``ValueError``;
+  swap is private to the call). Stacked RNNs with ``dropout > 0`` in training (``nn.LSTM``...: the
+  kernel draws the dropout inside) and random ATen ops called directly (``torch.ops.aten...``) without
+  a generator argument and not covered so raise ``ValueError``;
 - a guard around every layer call (also of layers outside :func:`rng_layers`) compares torch's
   global generators (the CPU one, and the device's on CUDA) before and after: a layer that drew from
   them (an op not covered above, or randomness ``module_uses_rng`` did not detect) raises
@@ -326,6 +327,21 @@ def _fractional_max_pool(dims: int) -> Callable:
     return rule
 
 
+def _rnn(mode: _PrivateRandomMode, func, args: tuple, kwargs: dict):
+    """``torch.lstm``/``gru``/``rnn_tanh``/``rnn_relu`` (``nn.LSTM``...): their dropout between stacked
+    layers is drawn inside the kernel (from the global CPU generator, or cuDNN's own state), so a
+    stacked RNN with ``dropout > 0`` in training is refused; without it the call is made unchanged."""
+    at = next((i for i, a in enumerate(args) if isinstance(a, float)), None)  # (..., num_layers, dropout, train, ...)
+    if at is None or at + 1 >= len(args) or not (args[at] > 0 and args[at + 1] and args[at - 1] > 1):
+        return func(*args, **kwargs)
+    raise ValueError(
+        f"RoundPipe cannot give the dropout of `torch.{func.__name__}` (an `nn.LSTM`/`nn.GRU`/`nn.RNN` with"
+        f" `num_layers={args[at - 1]}, dropout={args[at]}`) the layer's private random generator: the kernel"
+        " draws it internally, so its recomputation would not replay the same masks. HINT: stack single-layer RNN"
+        " modules with `nn.Dropout` between them, or use `dropout=0`."
+    )
+
+
 _GUARDS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 _BODIES: dict[Any, Callable] = {}
 
@@ -374,6 +390,8 @@ def _explicit_rules() -> dict:
             (torch.feature_alpha_dropout, True, True, False), (torch.feature_alpha_dropout_, True, True, True)):
         rules[fn] = _dropout(feature, alpha, inplace)
     rules[torch.native_dropout] = _native_dropout
+    for fn in (torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu):
+        rules[fn] = _rnn
     rules[F.scaled_dot_product_attention] = _sdpa
     for fn in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, F.rrelu,
                F.gumbel_softmax, F.multi_head_attention_forward):
