@@ -66,15 +66,23 @@ class LayerSequence:
 def module_uses_rng(module: nn.Module) -> bool:
     """Whether ``module`` draws random numbers in its current mode.
 
-    True when some submodule in training mode is a dropout with ``p > 0`` or carries a float
-    ``attention_dropout``/``dropout`` attribute above 0 (Hugging Face attention modules apply dropout
-    functionally). Such layers are run with a per-(layer, microbatch) seed so that recomputation
-    replays the forward's masks exactly, whichever device runs it.
+    True when some submodule sets ``roundpipe_uses_rng = True`` (an opt-in for randomness drawn
+    otherwise), or, in training mode, is a dropout (``nn.Dropout*``, also PEFT's ``lora_dropout``)
+    with ``p > 0``, an ``nn.RReLU``, or carries a float ``attention_dropout``/``dropout`` attribute
+    above 0 (Hugging Face attention modules and ``nn.MultiheadAttention`` apply dropout
+    functionally). Such layers run under :func:`~lightning_roundpipe.runtime.rng.rng_scope` with a
+    per-(layer, microbatch) seed, so recomputation replays the forward's masks exactly, whichever
+    device runs it; other layers run without a private generator (no overhead), and one that draws
+    from torch's global generator makes the step raise ``ValueError``.
     """
     for m in module.modules():
+        if getattr(m, "roundpipe_uses_rng", False) is True:
+            return True
         if not m.training:
             continue
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if isinstance(m, nn.RReLU):
             return True
         for attr in ("attention_dropout", "dropout"):
             v = getattr(m, attr, None)

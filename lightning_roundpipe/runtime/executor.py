@@ -29,7 +29,6 @@ thread with the original exception object (its type, attributes and traceback ke
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,18 +37,18 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from lightning_roundpipe.adapters.base import LayerSequence, module_uses_rng
+from lightning_roundpipe.adapters.base import LayerSequence
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
 from lightning_roundpipe.runtime.carry import diff_leaves, grad_leaves, grad_positions, snapshot
 from lightning_roundpipe.runtime.devices import StreamThread
 from lightning_roundpipe.runtime.errors import ErrorNotes
 from lightning_roundpipe.runtime.replica import LayerReplica
+from lightning_roundpipe.runtime.rng import layer_seed, rng_layers, rng_scope  # noqa: F401 (rng_layers: the engine's)
 from lightning_roundpipe.runtime.store import WeightStore
 from lightning_roundpipe.schedule.lower import plan_dispatches
 from lightning_roundpipe.schedule.program import STREAMS, Op, OpKind, StreamProgram
 
-_CPU_RNG_LOCK = threading.Lock()
 _POLL_S = 0.05
 
 
@@ -174,37 +173,6 @@ def _readers(program: StreamProgram) -> tuple[dict[int, int], bool]:
     return cached
 
 
-def layer_seed(base_seed: int, layer_index: int, microbatch_index: int) -> int:
-    """Seed of one (layer, microbatch): independent of which device runs it."""
-    digest = hashlib.blake2b(f"{base_seed}:{layer_index}:{microbatch_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-@contextlib.contextmanager
-def rng_scope(seed: int | None, backend: Backend):
-    """Run a layer with the generator of ``backend``'s device seeded to ``seed``, then restore it.
-
-    The CPU generator is process-wide, so CPU virtual devices take a lock around seeded layers.
-    """
-    if seed is None:
-        yield
-        return
-    if backend.is_cuda:
-        gen = torch.cuda.default_generators[backend.device.index]
-        state = gen.get_state()
-        gen.manual_seed(seed)
-        try:
-            yield
-        finally:
-            gen.set_state(state)
-        return
-    with _CPU_RNG_LOCK:
-        state = torch.default_generator.get_state()
-        torch.default_generator.manual_seed(seed)
-        try:
-            yield
-        finally:
-            torch.default_generator.set_state(state)
 
 
 class Executor:
@@ -362,7 +330,7 @@ class Executor:
                 prof.record_activation(li, tree_nbytes(carry))
                 backend.compute_sync()
                 started = time.perf_counter()
-            with rng_scope(seed, backend):
+            with rng_scope(seed, backend.device, li):
                 carry = module(carry)
             if prof is not None:
                 backend.compute_sync()
@@ -545,6 +513,3 @@ class Executor:
                 self.profiler.record("backward", li, total * sec / whole)
 
 
-def rng_layers(seq: LayerSequence) -> frozenset:
-    """Indices of the layers that draw random numbers in their current mode."""
-    return frozenset(i for i, layer in enumerate(seq.layers) if module_uses_rng(layer))
