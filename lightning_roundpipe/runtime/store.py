@@ -112,27 +112,40 @@ class WeightStore:
                 entries.append((name, key))
             self.entries.append(entries)
         self._layouts: dict[range, StageLayout] = {}
+        self.snapshot = False
+        """Asynchronous optimizer: the shadows of trainable parameters are always copies (never the
+        master itself), and only ``refresh(force=True)`` changes any shadow, so the pipeline reads a
+        snapshot while the optimizer thread updates the masters (paper section 4)."""
 
     # ------------------------------------------------------------------ shadows
     def _needs_copy(self, entry: _Tensor) -> bool:
-        return self.pin_memory or entry.dtype != entry.master.dtype or not entry.master.is_contiguous()
+        trainable = entry.is_param and entry.master.requires_grad
+        return (self.snapshot and trainable or self.pin_memory or entry.dtype != entry.master.dtype
+                or not entry.master.is_contiguous())
 
-    def refresh(self) -> int:
+    def refresh(self, force: bool = False) -> int:
         """Bring every shadow up to date with its master (after an optimizer step, a checkpoint load).
 
+        Args:
+            force: refresh also when :attr:`snapshot` holds the shadows (the asynchronous
+                optimizer's caller does, while no optimizer step is in flight).
+
         Returns:
-            Bytes copied (0 when nothing changed: frozen weights are copied once).
+            Bytes copied (0 when nothing changed: frozen weights are copied once; 0 under
+            :attr:`snapshot` without ``force``).
         """
+        if self.snapshot and not force:
+            return 0
         copied = 0
         for entry in self.tensors.values():
             master = entry.master.detach()
             if not self._needs_copy(entry):
-                entry.shadow = master
+                entry.shadow, entry.version = master, None
                 continue
             version = (master.data_ptr(), master._version)
             if entry.shadow is not None and entry.version == version:
                 continue
-            if entry.shadow is None or entry.shadow.shape != master.shape:
+            if entry.shadow is None or entry.version is None or entry.shadow.shape != master.shape:
                 entry.shadow = torch.empty(master.shape, dtype=entry.dtype, pin_memory=self.pin_memory)
             entry.shadow.copy_(master)
             entry.version = version
