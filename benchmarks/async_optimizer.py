@@ -67,6 +67,8 @@ class Clock(L.Callback):
         self.pipeline_s: list[float] = []
         self.optimizer_s: list[float] = []
         self.predicted_s: list[float] = []
+        self.thread_s: list[float] = []
+        self.wait_s: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts_s.append(time.perf_counter())
@@ -78,6 +80,9 @@ class Clock(L.Callback):
                 self.pipeline_s.append(float(metrics["roundpipe/pipeline(s)"]))
             if "roundpipe/optimizer(s)" in metrics:
                 self.optimizer_s.append(float(metrics["roundpipe/optimizer(s)"]))
+            if "roundpipe/optimizer_thread(s)" in metrics:
+                self.thread_s.append(float(metrics["roundpipe/optimizer_thread(s)"]))
+                self.wait_s.append(float(metrics["roundpipe/optimizer_wait(s)"]))
             if "roundpipe/predicted_step(s)" in metrics:
                 self.predicted_s.append(float(metrics["roundpipe/predicted_step(s)"]))
 
@@ -122,7 +127,7 @@ def main() -> None:
                         help="modelled host link per direction, GB/s (0: unthrottled copies)")
     args = parser.parse_args()
     per_step: dict[str, list[float]] = {"sync": [], "async": []}
-    pipeline, optimizer, predicted = [], [], []
+    pipeline, optimizer, predicted, thread, wait = [], [], [], [], []
     for _ in range(args.repeats):
         for mode in ("sync", "async"):
             clock = run(args, mode)
@@ -131,6 +136,9 @@ def main() -> None:
                 pipeline += clock.pipeline_s
                 optimizer += clock.optimizer_s
                 predicted += clock.predicted_s
+            else:
+                thread += clock.thread_s
+                wait += clock.wait_s
     params = args.layers * (args.hidden * args.hidden + args.hidden)
     print(f"\nasync optimizer, {args.devices} CPU virtual devices, {args.layers} x Linear({args.hidden}), "
           f"{params / 1e6:.1f} M parameters, Adam(foreach=False), batch {args.batch}, {args.microbatches} microbatches,"
@@ -144,6 +152,10 @@ def main() -> None:
         pipe_s, opt_s = statistics.median(pipeline), statistics.median(optimizer)
         print(f"  sync components: pipeline {pipe_s * 1e3:.1f} ms, optimizer {opt_s * 1e3:.1f} ms;"
               f" overlap bound (pipeline + optimizer) / max = {(pipe_s + opt_s) / max(pipe_s, opt_s):.2f}x")
+    if thread:
+        print(f"  async: the thread ran the updates {statistics.median(thread) * 1e3:.1f} ms per step (sync:"
+              f" {statistics.median(optimizer) * 1e3:.1f} ms), the main thread waited"
+              f" {statistics.median(wait) * 1e3:.1f} ms per step")
     if predicted and optimizer:
         programs_s = statistics.median(predicted) - statistics.median(optimizer)
         print(f"  simulator: the step's programs {programs_s * 1e3:.1f} ms (no optimizer op: the simulator cannot"

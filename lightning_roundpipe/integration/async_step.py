@@ -178,6 +178,16 @@ class AsyncOptimizer:
         if self.engine is not None:
             self.engine.store.refresh(force=True)
 
+    def pop_metrics(self) -> dict[str, float]:
+        """Since the last call: ``roundpipe/optimizer_thread(s)``, seconds the thread ran jobs (the
+        optimizer steps, with the ``zero_grad`` and scheduler steps queued behind them), and
+        ``roundpipe/optimizer_wait(s)``, seconds the main thread waited for them (0 when the overlap
+        hides the step completely)."""
+        if self.stepper is None:
+            return {}
+        busy_s, waited_s = self.stepper.pop_stats()
+        return {"roundpipe/optimizer_thread(s)": busy_s, "roundpipe/optimizer_wait(s)": waited_s}
+
     # ------------------------------------------------------------------ the step
     def optimizer_step(self, optimizer: torch.optim.Optimizer, precision_step: Callable[[], Any]) -> Any:
         """Run ``precision_step`` (the precision plugin's ``optimizer_step``) with ``optimizer.step``

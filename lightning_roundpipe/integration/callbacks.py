@@ -21,7 +21,9 @@ class RoundPipeMetricsCallback(Callback):
     batch (its programs, the gaps between them and the optimizer step), ``roundpipe/optimizer(s)``
     the optimizer step, ``roundpipe/predicted_step(s)`` the simulator's time for the programs this
     step ran, from the measured per-layer times, plus the measured optimizer time (after the
-    profiled steps). Evaluation phases are not logged.
+    profiled steps). With ``RoundPipeStrategy(optimizer="async")`` also
+    ``roundpipe/optimizer_thread(s)`` and ``roundpipe/optimizer_wait(s)``
+    (:meth:`AsyncOptimizer.pop_metrics`). Evaluation phases are not logged.
     """
 
     def __init__(self) -> None:
@@ -52,6 +54,9 @@ class RoundPipeMetricsCallback(Callback):
         if predicted is not None:
             predicted += optimizer_s or 0.0
         metrics = step_metrics(engine.pop_timelines(), step_s=step_s, optimizer_s=optimizer_s, predicted_step_s=predicted)
+        async_optimizer = getattr(trainer.strategy, "async_optimizer", None)
+        if metrics and async_optimizer is not None:
+            metrics.update(async_optimizer.pop_metrics())
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 

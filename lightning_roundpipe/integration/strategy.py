@@ -305,6 +305,11 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         )
 
     # ------------------------------------------------------------------ asynchronous optimizer
+    @property
+    def async_optimizer(self) -> AsyncOptimizer | None:
+        """The :class:`AsyncOptimizer` of the running fit with ``optimizer="async"``, else ``None``."""
+        return self._async
+
     def wait_for_optimizer(self) -> None:
         """Block until the optimizer step in flight (``optimizer="async"``) has updated the weights;
         a no-op in ``"sync"`` mode or outside fit.
