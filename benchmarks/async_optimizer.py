@@ -18,10 +18,13 @@ seconds per step (``roundpipe/pipeline(s)``, ``roundpipe/optimizer(s)``) and the
 ``(pipeline + optimizer) / max(pipeline, optimizer)``: the simulator has no optimizer op, so this
 is the whole model of the gain (on CPU virtual devices the optimizer thread also competes with
 the devices for cores). The same bound from the simulator's time for the step's programs
-(``roundpipe/predicted_step(s)`` less the measured optimizer time) is printed beside it.
+(``roundpipe/predicted_step(s)`` less the measured optimizer time) is printed beside it, and for
+the async runs the thread's time per update (``roundpipe/optimizer_thread(s)``: longer than the
+sync step when the thread shares the cores with the devices) and the main thread's wait for it
+(``roundpipe/optimizer_wait(s)``: 0 when the update hides behind the pipeline).
 
 Run: ``python benchmarks/async_optimizer.py [--devices 2] [--hidden 1024] [--layers 8]
-[--link-gb-per-s 3]`` (about 30 s on 2 cores).
+[--link-gb-per-s 3]`` (under a minute on 2 cores).
 """
 
 from __future__ import annotations
