@@ -297,3 +297,41 @@ def test_lbfgs_and_parameters_outside_the_pipeline_are_refused():
     with pytest.raises(ValueError, match="`scale`.*HINT"):
         trainer(lightning_roundpipe.RoundPipeStrategy(optimizer="async"), 1, max_steps=1).fit(
             Upstream(), loader(VectorData()))
+
+
+def test_16_mixed_inf_step_is_skipped_and_backs_off():
+    """Under 16-mixed the loss-scaling plugin decides in the main thread (unscale, inf check, skip,
+    scale update); only a step it takes goes to the thread. An inf in step 2's gradient leaves the
+    weights after step 2 equal to those after step 1, the scale follows GradScaler's rule."""
+    from lightning.pytorch.callbacks import Callback
+    from test_precision import InfModule, Trigger, expected_scales
+
+    from lightning_roundpipe import RoundPipePrecision
+
+    class Recorder(Callback):
+        def __init__(self) -> None:
+            self.params: list[dict] = []
+            self.scales: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            trigger.step = trainer.global_step
+            trigger.armed = trainer.global_step == inf_step
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            trainer.strategy.wait_for_optimizer()
+            self.params.append(params(pl_module))
+            self.scales.append(trainer.precision_plugin.scaler.get_scale())
+
+    steps, inf_step, trigger, recorder = 4, 1, Trigger(), Recorder()
+    module = InfModule(trigger)
+    initial = params(module)
+    plugin = RoundPipePrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2))
+    t = trainer(lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, optimizer="async"), 2, max_steps=steps,
+                plugins=[plugin], callbacks=[recorder], gradient_clip_val=0.01)
+    t.fit(module, loader(VectorData(n=7 * steps)))
+    assert trigger.fired_at == [inf_step]
+    history = [initial] + recorder.params
+    for step in range(steps):
+        unchanged = all(torch.equal(history[step][k], history[step + 1][k]) for k in initial)
+        assert unchanged == (step == inf_step), step
+    assert recorder.scales == expected_scales(2.0**10, {inf_step}, steps, growth_interval=2)

@@ -49,8 +49,10 @@ def test_worker_exception_reaches_fit_and_next_fit_works():
     with pytest.raises(Boom) as info:
         trainer("roundpipe", devices=3, max_steps=2).fit(lin, loader(data))
     assert time.perf_counter() - t0 < 20
-    msg = str(info.value)
-    assert "device" in msg and "stage" in msg and "microbatch 2" in msg and "marker seen" in msg
+    assert str(info.value) == "marker seen"  # the original exception, its message untouched
+    (note,) = info.value.__notes__
+    assert "device" in note and "stage" in note and "microbatch 2" in note
+    assert "layer `2` (ThrowOnMarker" in note  # the child's name in the nn.Sequential
     assert not _roundpipe_threads()
     ThrowOnMarker.armed = False
     try:
@@ -59,6 +61,44 @@ def test_worker_exception_reaches_fit_and_next_fit_works():
         assert module.trainer.global_step == 2
     finally:
         ThrowOnMarker.armed = True
+    assert not _roundpipe_threads()
+
+
+class CodedError(Exception):
+    """A user exception whose constructor does not take a message: it cannot be rebuilt from one."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"failed with code {code}")
+        self.code = code
+
+
+def test_custom_exception_keeps_its_type_and_attributes_with_a_note():
+    """Raised in decoder layer 2 of a tiny Llama (layer 3 of the layer sequence, after the embedding
+    prefix) on microbatch 1: the same object arrives, with a note naming device, stage, microbatch and
+    the layer's name in the model."""
+    from _helpers import CausalLMModule, TokenData, tiny_hf
+
+    model = tiny_hf("llama")
+    raised = []
+    mlp = model.model.layers[2].mlp
+    real = type(mlp).forward
+
+    def forward(self, x):
+        if x.shape[0] == 2 and not raised and torch.is_grad_enabled() is False:  # forward stage, microbatch 1
+            raised.append(CodedError(42))
+            raise raised[-1]
+        return real(self, x)
+
+    mlp.forward = forward.__get__(mlp)
+    data = TokenData(n=5)  # microbatches of 3 and 2 rows
+    with pytest.raises(CodedError) as info:
+        trainer(lightning_roundpipe.RoundPipeStrategy(num_microbatches=2), devices=2, max_steps=1).fit(
+            CausalLMModule(model), loader(data, batch_size=5))
+    assert info.value is raised[0] and info.value.code == 42 and str(info.value) == "failed with code 42"
+    (note,) = info.value.__notes__
+    print(note)
+    assert "RoundPipe: device" in note and "stage" in note and "microbatch 1" in note
+    assert "layer `model.layers.2` (layer 3 of the layer sequence), in `model.layers.2.mlp` (LlamaMLP)" in note
     assert not _roundpipe_threads()
 
 
@@ -113,10 +153,21 @@ def test_bad_partition_is_reported():
         trainer(strategy, devices=2, max_steps=1).fit(MLPModule(), loader(VectorData()))
 
 
-@pytest.mark.parametrize("precision", ["16-true", "bf16-true", "64-true"])
+@pytest.mark.parametrize("precision", ["transformer-engine", "transformer-engine-float16", "8-mixed"])
 def test_unsupported_precision(precision):
-    with pytest.raises(ValueError, match="RoundPipePrecision"):
-        trainer("roundpipe", devices=2, precision=precision)
+    # Lightning builds no plugin RoundPipe could wrap for these (transformer-engine needs its package)
+    with pytest.raises(ValueError, match=r"RoundPipePrecision.*Valid options.*16-mixed.*HINT"):
+        lightning_roundpipe.RoundPipePrecision(precision)
+
+
+def test_unsupported_precision_plugin():
+    from lightning.pytorch.plugins.precision import Precision
+
+    class Custom(Precision):
+        pass
+
+    with pytest.raises(TypeError, match="RoundPipePrecision"):
+        trainer("roundpipe", devices=2, plugins=[Custom()])
 
 
 def test_bf16_mixed_trains():

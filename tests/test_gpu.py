@@ -68,3 +68,42 @@ def test_cuda_prefetch_overlaps_compute():
         overlaps += sum(1 for w in loads for c in computes if w.device_index == c.device_index
                         and w.stage_index != c.stage_index and w.start_s < c.end_s and c.start_s < w.end_s)
     assert overlaps > 0
+
+
+def test_cuda_bf16_mixed_gradient_error_does_not_grow_with_microbatches():
+    from test_numerics import _grad_errors
+
+    devices = [torch.device(f"cuda:{i}") for i in range(_devices())]
+    (one, sixteen), _ = _grad_errors("mlp", [1, 16], devices)
+    assert 0 < one < 5e-2 and sixteen <= 1.1 * one, (one, sixteen)
+
+
+def test_cuda_in_place_ops_parity():
+    from test_numerics import InPlaceMLP
+    from _helpers import VectorData
+
+    kw = dict(max_steps=3, accumulate_grad_batches=2)
+    ref = fit_params(InPlaceMLP, VectorData(), **kw)  # CPU reference
+    got = fit_params(InPlaceMLP, VectorData(), strategy=lightning_roundpipe.RoundPipeStrategy(num_microbatches=3),
+                     accelerator="cuda", devices=_devices(), **kw)
+    assert max_diff(ref, got) <= 1e-4
+
+
+def test_cuda_lora_frozen_base_is_pinned_bf16_during_fit():
+    from peft import LoraConfig, get_peft_model
+    from _helpers import loader, trainer
+
+    model = get_peft_model(tiny_hf("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    module = CausalLMModule(model)
+    seen = []
+
+    class Spy(lightning_roundpipe.RoundPipeMetricsCallback):
+        def on_train_batch_end(self, trainer, pl_module, *args, **kwargs):
+            frozen = [p for p in pl_module.parameters() if not p.requires_grad]
+            seen.append(all(p.dtype == torch.bfloat16 and p.is_pinned() and p.grad is None for p in frozen))
+            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+
+    trainer("roundpipe", devices=_devices(), accelerator="cuda", precision="bf16-mixed", max_steps=2,
+            callbacks=[Spy()]).fit(module, loader(TokenData()))
+    assert seen == [True, True]
+    assert all(p.dtype == torch.float32 and not p.is_pinned() and p.device.type == "cpu" for p in module.parameters())

@@ -527,3 +527,25 @@ def test_simulate_and_schedule_modules_are_pure():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for n in names:
                 assert n.split(".")[0] not in ("lightning", "torch", "pytorch_lightning"), (f.name, n)
+
+
+@pytest.mark.parametrize("weight_staleness", [0, 1])
+def test_steady_state_with_more_devices_than_work_is_bounded_by_the_optimizer(weight_staleness):
+    # 16 devices, 2 microbatches: without the optimizer's dependency the iterations would run side by
+    # side (period ~0). One microbatch's chain through every stage is a lower bound on an iteration,
+    # and at most 1 + weight_staleness iterations are in flight: period >= chain / (1 + staleness).
+    stages, plan = _roundpipe(num_layers=5, devices=16, microbatches=2)
+    # F of layers 0..3, the fused tail, B of layers 3..0 (early recompute runs off this chain)
+    chain = 4 * 1.0 + (1.0 + 2.0) + 4 * 2.0
+    steady = simulate(plan, _layers(5, 1.0, 2.0), steady_state=True, weight_staleness=weight_staleness)
+    assert steady.iteration_s >= chain / (1 + weight_staleness) - EPS
+    work = 2 * (4 * 1.0 + 3.0 + 4 * 3.0)  # 2 microbatches, recompute included
+    assert steady.iteration_s >= work / 16 - EPS  # work conservation on 16 devices
+    if weight_staleness == 0:  # nothing overlaps: exactly one iteration (loads are free)
+        assert steady.iteration_s == pytest.approx(simulate(plan, _layers(5, 1.0, 2.0)).iteration_s)
+
+
+def test_weight_staleness_must_be_a_non_negative_int():
+    _, plan = _roundpipe(num_layers=5, devices=2, microbatches=3)
+    with pytest.raises(ValueError, match="weight_staleness"):
+        simulate(plan, _layers(5), steady_state=True, weight_staleness=-1)

@@ -9,7 +9,8 @@ Prints the stage table (layers, bytes, seconds per microbatch, forward and backw
 device-by-step grid of the round-robin plan, predicted tokens/s, per-device idle %, peak device
 memory and the longest sequence that fits. No weights are allocated: layer costs come from
 :mod:`lightning_roundpipe.partition.costmodel` (arithmetic on the config), times of the whole step
-from :mod:`lightning_roundpipe.simulate` (steady state: the next step's fill overlaps this one's drain).
+from :mod:`lightning_roundpipe.simulate` (steady state with the runtime's weight dependency: a step's
+weight uploads wait for the previous step's gradients, so fill and drain are not hidden).
 """
 
 from __future__ import annotations
@@ -223,14 +224,16 @@ def longest_sequence(modelled: Callable[[int], ModelledProfiles], stage_memory_b
 
 
 def _predict(plan: ExecutionPlan, mp: ModelledProfiles, hw: HardwareModel) -> tuple[float, tuple[float, ...], str]:
-    """Step seconds and per-device idle % from the simulator (steady state); falls back to a
+    """Step seconds and per-device idle % from the simulator in steady state with the weight
+    dependency the runtime has (``weight_staleness=0``: a step's uploads wait for the previous
+    step's gradients; only weight prefetch crosses the step boundary); falls back to a
     compute-only list-order walk (transfers free, one step with fill and drain) if it is unavailable."""
     try:
         from lightning_roundpipe.simulate.engine import simulate
     except ImportError:
         simulate = None
     if simulate is not None:
-        res = simulate(plan, mp.profiles, hw, steady_state=True)
+        res = simulate(plan, mp.profiles, hw, steady_state=True, weight_staleness=0)
         return float(res.iteration_s), tuple(float(x) for x in res.idle_pct), "simulator, steady state"
     from lightning_roundpipe.schedule import walk_in_order
 

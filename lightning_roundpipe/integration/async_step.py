@@ -200,7 +200,9 @@ class AsyncOptimizer:
         original = optimizer.step
 
         def deferred_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-            recorded.append(kwargs)
+            # tensors as they are now: a GradScaler's `grad_scale`/`found_inf` for a fused optimizer
+            # change in `scaler.update()`, which runs before the thread takes the step
+            recorded.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
             if closure is None:
                 return None
             with torch.enable_grad():

@@ -21,9 +21,12 @@ class RoundPipeMetricsCallback(Callback):
     batch (its programs, the gaps between them and the optimizer step), ``roundpipe/optimizer(s)``
     the optimizer step, ``roundpipe/predicted_step(s)`` the simulator's time for the programs this
     step ran, from the measured per-layer times, plus the measured optimizer time (after the
-    profiled steps). With ``RoundPipeStrategy(optimizer="async")`` also
-    ``roundpipe/optimizer_thread(s)`` and ``roundpipe/optimizer_wait(s)``
-    (:meth:`AsyncOptimizer.pop_metrics`). Evaluation phases are not logged.
+    profiled steps), ``roundpipe/host_memory(GiB)`` the host bytes of the model's parameters
+    (masters, compute copies, gradients and their host buffers, optimizer state; see
+    :func:`~lightning_roundpipe.runtime.memory.host_memory`). With
+    ``RoundPipeStrategy(optimizer="async")`` also ``roundpipe/optimizer_thread(s)`` and
+    ``roundpipe/optimizer_wait(s)`` (:meth:`AsyncOptimizer.pop_metrics`). Evaluation phases are
+    not logged.
     """
 
     def __init__(self) -> None:
@@ -53,7 +56,9 @@ class RoundPipeMetricsCallback(Callback):
         predicted = engine.predict_s(programs)
         if predicted is not None:
             predicted += optimizer_s or 0.0
-        metrics = step_metrics(engine.pop_timelines(), step_s=step_s, optimizer_s=optimizer_s, predicted_step_s=predicted)
+        memory = engine.host_memory(trainer.optimizers)
+        metrics = step_metrics(engine.pop_timelines(), step_s=step_s, optimizer_s=optimizer_s, predicted_step_s=predicted,
+                               host_memory_bytes=memory.total_bytes)
         async_optimizer = getattr(trainer.strategy, "async_optimizer", None)
         if metrics and async_optimizer is not None:
             metrics.update(async_optimizer.pop_metrics())

@@ -95,7 +95,10 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             the pipeline of step k+1 runs on the weights from before it; see *Asynchronous
             optimizer* below.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning strategies;
-            ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``.
+            ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``,
+            the precision plugin from ``Trainer(precision=...)``: Lightning's plugin is wrapped in a
+            :class:`~lightning_roundpipe.RoundPipePrecision` (``16-mixed`` on the CPU computes in
+            fp16 with loss scaling, where Lightning's own plugin would fall back to bf16).
 
     Asynchronous optimizer (``optimizer="async"``, fit only). Write ``W_j`` for the weights after
     ``j`` optimizer steps and ``g(W)`` for a step's gradient computed on weights ``W``:
@@ -103,7 +106,9 @@ class RoundPipeStrategy(SingleDeviceStrategy):
     - Step 1 is exact: ``W_1 = update(W_0, g(W_0))``. Step ``j >= 2`` computes its gradient on
       ``W_{j-2}`` (one step stale: update ``j - 1`` is running on the thread meanwhile) and applies
       it to ``W_{j-1}``: ``W_j = update(W_{j-1}, g(W_{j-2}))``. With ``accumulate_grad_batches``
-      every batch of a window computes on the same weights. When fit ends, all updates are applied.
+      every batch of a window computes on the same weights. A step the precision plugin skips
+      (``16-mixed``, inf gradients) hands nothing to the thread, so the step after it computes on
+      the current weights. When fit ends, all updates are applied.
     - ``on_before_optimizer_step``, gradient clipping and ``on_after_backward`` run in the main
       thread on the step's gradient, before its update is handed to the thread. Step-interval LR
       scheduler steps run on the thread right after the update they follow (the update of step
@@ -123,12 +128,15 @@ class RoundPipeStrategy(SingleDeviceStrategy):
 
     Raises:
         ValueError: for ``num_microbatches < 1``, a non-positive ``chunk_bytes``,
-            ``microbatches_per_round`` or ``cpu_link_bytes_per_s``, an ``optimizer`` other than
-            ``"sync"``/``"async"``, or a precision other than ``32-true``/``bf16-mixed``; at setup,
-            for an accelerator other than CPU and CUDA, and with ``optimizer="async"`` for manual
-            optimization, ``torch.optim.LBFGS`` or an optimizer updating parameters outside the
-            pipelined module.
-        TypeError: for ill-typed arguments.
+            ``microbatches_per_round`` or ``cpu_link_bytes_per_s``; an ``optimizer`` other than
+            ``"sync"``/``"async"``; for a precision other than ``32-true``, ``64-true``,
+            ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
+            (:class:`~lightning_roundpipe.RoundPipePrecision`); at setup, for an accelerator other
+            than CPU and CUDA, and with ``optimizer="async"`` for manual optimization,
+            ``torch.optim.LBFGS`` or an optimizer updating parameters outside the pipelined module.
+        TypeError: for ill-typed arguments, or a precision plugin other than Lightning's
+            ``Precision``, ``MixedPrecision``, ``HalfPrecision``, ``DoublePrecision`` and
+            :class:`~lightning_roundpipe.RoundPipePrecision`.
     """
 
     strategy_name = "roundpipe"
@@ -174,6 +182,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         check_optimizer_mode(optimizer)
         if (forward_stages is None) != (backward_stages is None):
             raise ValueError("Pass both `forward_stages` and `backward_stages`, or neither (default partition).")
+        # the plugin used while none is set; not stored in `_precision_plugin`, which Lightning reads as the user's choice
+        self._default_precision = RoundPipePrecision()
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.parallel_devices = parallel_devices
         self.num_microbatches = num_microbatches
@@ -195,8 +205,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
     # ------------------------------------------------------------------ precision
     @property
     @override
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else RoundPipePrecision()
+    def precision_plugin(self) -> RoundPipePrecision:
+        return self._precision_plugin if self._precision_plugin is not None else self._default_precision
 
     @precision_plugin.setter
     @override
@@ -251,7 +261,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
                                       chunk_bytes=self.chunk_bytes, microbatches_per_round=self.microbatches_per_round,
                                       cpu_link_bytes_per_s=self.cpu_link_bytes_per_s,
                                       debug_copy_delay_s=self.debug_copy_delay_s,
-                                      profile_steps=self.profile_steps if fitting else None)
+                                      profile_steps=self.profile_steps if fitting else None,
+                                      loss_seed=precision.loss_seed)
         self.engine.install()
         log.info("RoundPipe: pipelining `%s` (%s, %d layers) on %d device(s), %d microbatches",
                  type(seq.target).__name__, seq.family, len(seq), len(devices), m)

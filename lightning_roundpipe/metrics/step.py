@@ -14,7 +14,8 @@ GIB = float(2**30)
 
 
 def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe", *, step_s: float | None = None,
-                 optimizer_s: float | None = None, predicted_step_s: float | None = None) -> dict[str, float]:
+                 optimizer_s: float | None = None, predicted_step_s: float | None = None,
+                 host_memory_bytes: int | None = None) -> dict[str, float]:
     """Metrics of one training step made of ``timelines`` (its programs, run one after another).
 
     Per device ``d``: ``compute(s)``, ``idle(s)`` (step wall time minus compute), ``bubble(%)``
@@ -23,7 +24,9 @@ def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe", *, st
     moved), ``peak_weights(bytes)`` (most weight bytes resident at once, when recorded). Step-wide:
     ``step(s)`` (``step_s`` when given: the whole step, phases, the gaps between them and the
     optimizer; else the programs' wall times summed), ``pipeline(s)`` (the programs' wall times),
-    ``optimizer(s)`` and ``predicted_step(s)`` when given, and ``bubble(%)`` (mean over devices).
+    ``optimizer(s)`` and ``predicted_step(s)`` when given, ``host_memory(GiB)`` (``host_memory_bytes``
+    when given: the model's host bytes, masters, shadows, gradients and optimizer state), and
+    ``bubble(%)`` (mean over devices).
 
     Returns:
         ``{}`` when ``timelines`` is empty.
@@ -38,6 +41,8 @@ def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe", *, st
         out[f"{prefix}/optimizer(s)"] = optimizer_s
     if predicted_step_s is not None:
         out[f"{prefix}/predicted_step(s)"] = predicted_step_s
+    if host_memory_bytes is not None:
+        out[f"{prefix}/host_memory(GiB)"] = host_memory_bytes / GIB
     bubbles = []
     for d in range(n):
         compute = sum(t.compute_s(d) for t in timelines)

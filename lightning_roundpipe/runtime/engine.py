@@ -8,6 +8,7 @@ creates it, installs it and reads its metrics.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import warnings
 from typing import Any, Callable, Sequence
@@ -21,6 +22,7 @@ from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.autograd import attach
 from lightning_roundpipe.runtime.backends import make_backends
 from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
+from lightning_roundpipe.runtime.memory import HostMemory, host_memory
 from lightning_roundpipe.runtime.microbatch import merge_input_grads, merge_leaves, split_grads, split_microbatches
 from lightning_roundpipe.runtime.profiler import LayerProfiler
 from lightning_roundpipe.runtime.store import WeightStore
@@ -89,6 +91,10 @@ class RoundPipeEngine:
         profile_steps: profile every layer during this many training steps (>= 2, the first is
             dropped) to predict step times with the simulator (:meth:`predict_s`), also without
             the automatic partition; ``None``: only when ``auto_partition_after_steps`` is set.
+        loss_seed: fused path: called at every fused call, returns the gradient (a finite float
+            > 0) the fused tail seeds its loss's backward with on the devices, e.g. the current
+            loss scale under fp16 so device gradients do not underflow; the CPU gradient buffers
+            are divided by it again when the returned loss's backward scales them. ``None``: 1.0.
 
     Raises:
         ValueError: for an empty device list, ``num_microbatches < 1``, a partition that does not
@@ -101,7 +107,7 @@ class RoundPipeEngine:
                  stage_memory_bytes: int | None = None, fused_loss: bool = True,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, microbatches_per_round: int | None = None,
                  cpu_link_bytes_per_s: float | None = None, debug_copy_delay_s: float = 0.0,
-                 profile_steps: int | None = None) -> None:
+                 profile_steps: int | None = None, loss_seed: Callable[[], float] | None = None) -> None:
         if not devices:
             raise ValueError("`devices` is empty: RoundPipe needs at least one device.")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -129,6 +135,7 @@ class RoundPipeEngine:
         self._warned_small_batch = False
         self.stage_memory_bytes = stage_memory_bytes
         self.fused_loss = fused_loss
+        self.loss_seed = loss_seed
         self.auto_partition_after_steps = auto_partition_after_steps
         self.measured_profiles = None
         self._last_call: tuple[int, bool] | None = None  # (microbatches, fused) of the last training call
@@ -162,9 +169,12 @@ class RoundPipeEngine:
         self._original_forward = None
 
     def close(self) -> None:
-        """Uninstall and stop the worker threads."""
+        """Uninstall, stop the worker threads and give frozen parameters held in the compute dtype
+        their original dtype back (values stay rounded to the compute dtype: see
+        :meth:`~lightning_roundpipe.runtime.store.WeightStore.restore_frozen`)."""
         self.uninstall()
         self.executor.close()
+        self.store.restore_frozen()
 
     def set_partition(self, partition: PartitionPlan) -> None:
         """Use new stage boundaries from the next call on (e.g. from the automatic partitioner)."""
@@ -309,10 +319,18 @@ class RoundPipeEngine:
                        grad_inputs: list) -> Any:
         """The fused path: the whole step runs now; the returned loss's backward scales the buffers.
 
-        Gradients land in CPU buffers (``state.grad_sink``); the node's backward adds
-        ``grad_output * buffer`` into each parameter's ``.grad`` (gradients are linear in the seed,
-        so this is exact whatever the user does with the scalar loss).
+        Gradients land in CPU buffers (``state.grad_sink``), computed with the backward seeded by
+        ``loss_seed``; the node's backward adds ``buffer * (grad_output / loss_seed)`` into each
+        parameter's ``.grad`` (gradients are linear in the seed, so this is exact whatever the user
+        does with the scalar loss, e.g. Lightning's loss scaling under fp16).
+
+        Raises:
+            ValueError: when ``loss_seed()`` is not a finite number > 0.
         """
+        seed = 1.0 if self.loss_seed is None else float(self.loss_seed())
+        if not (math.isfinite(seed) and seed > 0):
+            raise ValueError(f"The fused path's `loss_seed()` must be a finite number > 0, got {seed!r}.")
+        state.loss_seed = seed
         state.grad_sink = {}
         self._last_call = (m, True)
         self._run(self.program(m, self._advance(len(self.fused_stages)), fused=True), state)
@@ -322,7 +340,8 @@ class RoundPipeEngine:
         input_grads = self._input_grads(state, batch_leaves, sizes)
 
         def scaled(buf: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-            return buf if bool(g == 1) else buf * g.to(buf.dtype)
+            factor = g if seed == 1.0 else g / seed  # the incoming gradient in units of the seed
+            return buf if bool(factor == 1) else buf * factor.to(buf.dtype)
 
         def run_backward(grads: list) -> list:
             _once(state)
@@ -469,6 +488,12 @@ class RoundPipeEngine:
         return out
 
     # ------------------------------------------------------------------ metrics
+    def host_memory(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> HostMemory:
+        """Host bytes of the model's parameters by category (masters, shadows, gradients, host
+        gradient buffers at the peak since the last call, the state of ``optimizers``), trainable
+        and frozen apart (:func:`~lightning_roundpipe.runtime.memory.host_memory`)."""
+        return host_memory(self.store, optimizers, self.executor.pop_peak_grad_bytes())
+
     def pop_timelines(self) -> list[Timeline]:
         """Timelines of the phases run since the last call (forward and backward phases)."""
         with self._lock:

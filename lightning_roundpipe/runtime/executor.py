@@ -7,18 +7,23 @@ event. A dispatch table maps each op kind to its handler:
 
 - ``LOAD``: chunk ``c`` of the stage's weights from the host shadows into the stage's device buffer;
 - ``H2D`` / ``GH2D``: the input of an ``F``/``X``/``R`` / the incoming gradient of a ``B``, host to device;
-- ``F``: forward without autograd; ``X``: fused tail (forward, loss, backward seeded with
-  ``loss_seed``; never recomputed, logits never leave the device); ``R``: recompute with autograd
-  from the saved stage input; ``B``: backward with the incoming gradient;
+- ``F``: forward without autograd (the inputs of later backward stages are snapshotted as they
+  pass, so an in-place op further on cannot change them); ``X``: fused tail (forward, loss,
+  backward seeded with ``loss_seed``; never recomputed, logits never leave the device); ``R``:
+  recompute with autograd from a clone of the saved stage input (:mod:`~lightning_roundpipe.runtime.carry`);
+  ``B``: backward with the incoming gradient; after every ``X``/``B`` the microbatch's weight
+  gradients are added into the stage's fp32 accumulator (:mod:`~lightning_roundpipe.runtime.grads`);
 - ``D2H``: what ``F``/``X``/``B`` send to the host (boundary activations, the loss, input gradients);
-- ``WD2H``: the stage's weight gradients into a flat host buffer, added into the masters' ``.grad``
-  by the host thread in backward-stage order (so the result does not depend on timing);
+- ``WD2H``: the stage's weight gradients (the fp32 accumulator, or ``view.grad`` where the compute
+  dtype is fp32) into a flat host buffer, added into the masters' ``.grad`` by the host thread in
+  backward-stage order (so the result does not depend on timing);
 - ``DROP``: release the stage (after writing BatchNorm-like buffers back for forward stages).
 
 Each device runs its layers on its own :class:`~lightning_roundpipe.runtime.replica.LayerReplica`,
 so no lock is shared between devices. A handler that raises makes the program raise in the main
-thread with the original exception (its type and attributes kept) and the device, op, stage and
-microbatch added as a note; the other threads stop at their next wait.
+thread with the original exception object (its type, attributes and traceback kept) and a note
+(``add_note``) naming the device, op, stream, stage, microbatch and the layer's name in the model
+(:mod:`~lightning_roundpipe.runtime.errors`); the other threads stop at their next wait.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from lightning_roundpipe.adapters.base import LayerSequence, is_float_tensor, module_uses_rng
+from lightning_roundpipe.adapters.base import LayerSequence, module_uses_rng
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
+from lightning_roundpipe.runtime.carry import diff_leaves, grad_leaves, grad_positions, snapshot
 from lightning_roundpipe.runtime.devices import StreamThread
+from lightning_roundpipe.runtime.errors import ErrorNotes
 from lightning_roundpipe.runtime.replica import LayerReplica
 from lightning_roundpipe.runtime.store import WeightStore
 from lightning_roundpipe.schedule.lower import plan_dispatches
@@ -110,6 +117,10 @@ class ProgramRun:
         # stage's recompute both start from): the last reader of this program frees the entry
         self.readers, self.has_backward = _readers(program)
         self._readers_left: dict[tuple[int, int], int] = {}
+        # host gradient buffers (downloaded by WD2H and not yet added, the fused path's sink) and
+        # the most bytes they and the masters' .grad held at once
+        self.grad_buffer_bytes = 0
+        self.peak_grad_bytes = 0
         self.t0 = time.perf_counter()
 
     def take_input(self, layer_index: int, microbatch_index: int) -> Any:
@@ -134,6 +145,12 @@ class ProgramRun:
                 self.error, self.error_context = error, context
         self.abort.set()
 
+    def add_grad_buffer_bytes(self, nbytes: int, grad_bytes: int) -> None:
+        """``nbytes`` more (or fewer) bytes of host gradient buffers, while ``.grad`` holds ``grad_bytes``."""
+        with self._lock:
+            self.grad_buffer_bytes += nbytes
+            self.peak_grad_bytes = max(self.peak_grad_bytes, self.grad_buffer_bytes + grad_bytes)
+
     def add_resident(self, device_index: int, nbytes: int) -> None:
         with self._lock:
             self.resident_bytes[device_index] += nbytes
@@ -155,21 +172,6 @@ def _readers(program: StreamProgram) -> tuple[dict[int, int], bool]:
         has_backward = any(plan.stages[op.stage_index].kind == "backward" for _, _, _, op in program.ops())
         cached = program._cache["readers"] = (readers, has_backward)
     return cached
-
-
-def _with_context(error: BaseException, context: str) -> BaseException:
-    """The original exception (type and attributes kept) with ``context`` in front of its message
-    when its type can be rebuilt from a message, else with ``context`` as a note."""
-    try:
-        new = type(error)(f"{context}: {error}")
-    except Exception:
-        new = None
-    if new is None or str(new) == str(error):
-        error.add_note(f"RoundPipe: {context}")
-        return error
-    new.__dict__.update(getattr(error, "__dict__", {}))
-    new.__cause__ = error
-    return new
 
 
 def layer_seed(base_seed: int, layer_index: int, microbatch_index: int) -> int:
@@ -224,11 +226,20 @@ class Executor:
         self.profiler = None  # a runtime.profiler.LayerProfiler while profiling
         self.replicas = [[LayerReplica(layer) for layer in seq.layers] for _ in backends]
         self.host = StreamThread("roundpipe-host-grads")
+        self.error_notes = ErrorNotes(seq)
+        self.peak_grad_bytes = 0  # most bytes of gradients (.grad and host buffers) at once since the last pop
         self._dispatch: dict[OpKind, Callable[[Backend, Op, ProgramRun], int]] = {
             OpKind.LOAD: self._load, OpKind.H2D: self._h2d, OpKind.GH2D: self._gh2d,
             OpKind.F: self._forward, OpKind.X: self._fused, OpKind.R: self._recompute, OpKind.B: self._backward,
             OpKind.D2H: self._d2h, OpKind.WD2H: self._wd2h, OpKind.DROP: self._drop,
         }
+
+    def pop_peak_grad_bytes(self) -> int:
+        """Most bytes the gradients held at once during the programs since the last call: the
+        masters' ``.grad`` plus the host gradient buffers (``WD2H`` downloads not yet added, the
+        fused path's gradient buffers)."""
+        out, self.peak_grad_bytes = self.peak_grad_bytes, 0
+        return out
 
     def close(self) -> None:
         self.host.close()
@@ -240,7 +251,8 @@ class Executor:
         """Execute ``program`` and return its measured timeline.
 
         Raises:
-            The first exception of any stream (its type kept, device/op/stage/microbatch added).
+            The first exception of any stream: the original object (type, attributes, traceback),
+            with a note naming the device, op, stream, stage, microbatch and layer.
             ``NotImplementedError`` for op kinds the runtime does not execute (``W``).
         """
         for _, _, _, op in program.ops():
@@ -257,14 +269,17 @@ class Executor:
             for job in jobs:
                 while not job.wait(_POLL_S):
                     if not all(b.alive for b in self.backends) or not self.host.alive:
-                        run.fail(RuntimeError("a RoundPipe stream thread died"), "runtime")
+                        run.fail(RuntimeError("a RoundPipe stream thread died"), "RoundPipe: runtime")
         except BaseException:  # KeyboardInterrupt in the main thread: stop the threads, then re-raise
             run.abort.set()
             for job in jobs:
                 job.wait(30)
             raise
+        self.peak_grad_bytes = max(self.peak_grad_bytes, run.peak_grad_bytes)
         if run.error is not None:
-            raise _with_context(run.error, run.error_context) from run.error
+            error = run.error
+            error.add_note(run.error_context)
+            raise error
         for backend in self.backends:
             backend.synchronize()
         wall = time.perf_counter() - run.t0
@@ -298,10 +313,8 @@ class Executor:
         except _Aborted:
             return
         except BaseException as error:
-            spec = run.plan.stages[op.stage_index]
-            mb = "" if op.microbatch_index is None else f", microbatch {op.microbatch_index}"
-            run.fail(error, f"RoundPipe device {backend.device_index} ({backend.device}), op `{op}` on stream"
-                            f" `{stream}`: {spec.describe()}{mb}")
+            run.fail(error, self.error_notes.note(error, backend.device_index, str(backend.device), op, stream,
+                                                  run.plan.stages[op.stage_index], self.replicas[backend.device_index]))
 
     def _commit_grads(self, run: ProgramRun) -> None:
         """Host thread: add each backward dispatch's gradients, in (round, backward stage) order."""
@@ -315,12 +328,14 @@ class Executor:
                 event = run.events.get(op)
                 if event is not None:
                     self.backends[dispatch.device_index].host_wait(event)
-                self.store.add_grads(run.host_grads.pop((dispatch.stage_index, dispatch.round_index), []),
-                                     run.state.grad_sink)
+                pairs = run.host_grads.pop((dispatch.stage_index, dispatch.round_index), [])
+                retained = self.store.add_grads(pairs, run.state.grad_sink)
+                run.add_grad_buffer_bytes(retained - sum(g.numel() * g.element_size() for _, g in pairs),
+                                          self.store.grad_bytes())
         except _Aborted:
             return
         except BaseException as error:
-            run.fail(error, "RoundPipe host gradient accumulation")
+            run.fail(error, "RoundPipe: host gradient accumulation")
 
     # ------------------------------------------------------------------ helpers
     def _autocast(self, backend: Backend):
@@ -364,10 +379,11 @@ class Executor:
         return op.stage_index, rounds[(op.stage_index, op.microbatch_index)]
 
     def _leaves(self, carry: Any, start: int, run: ProgramRun) -> tuple[Any, list[torch.Tensor]]:
+        """The carry a recomputation starts from (clones of fresh leaves: in-place safe) and the leaves."""
         if start > 0:
-            return _grad_leaves(carry, self.seq.grad_keys)
+            return grad_leaves(carry, self.seq.grad_keys)
         if run.state.input_grad_positions:
-            return _grad_positions(carry, run.state.input_grad_positions)
+            return grad_positions(carry, run.state.input_grad_positions)
         return carry, []
 
     # ------------------------------------------------------------------ transfers
@@ -425,13 +441,24 @@ class Executor:
         return backend.to_host(payload, publish)
 
     def _wd2h(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        """The stage's weight gradients to the host: ``view.grad`` of fp32 views (autograd summed
+        the microbatches) and the fp32 accumulator of the narrower ones, in one flat download."""
         resident = run.resident[(op.stage_index, op.round_index)]
-        pairs = [(master, view.grad) for master, view in resident.grad_pairs if view.grad is not None]
-        if not pairs:
+        direct = [(master, view.grad) for master, view in resident.grad_pairs if view.grad is not None]
+        accumulator = resident.accumulator
+        tensors = [g for _, g in direct]
+        if accumulator is not None and accumulator.flat is not None:
+            tensors.append(accumulator.flat)
+        if not tensors:
             return 0
-        host = backend.grads_to_host([g for _, g in pairs])
-        run.host_grads[(op.stage_index, op.round_index)] = [(master, g) for (master, _), g in zip(pairs, host)]
-        return sum(g.numel() * g.element_size() for g in host)
+        host = backend.grads_to_host(tensors)
+        pairs = [(master, g) for (master, _), g in zip(direct, host)]
+        if accumulator is not None and accumulator.flat is not None:
+            pairs += accumulator.host_pairs(host[-1])
+        run.host_grads[(op.stage_index, op.round_index)] = pairs
+        nbytes = sum(g.numel() * g.element_size() for g in host)
+        run.add_grad_buffer_bytes(sum(g.numel() * g.element_size() for _, g in pairs), self.store.grad_bytes())
+        return nbytes
 
     def _drop(self, backend: Backend, op: Op, run: ProgramRun) -> int:
         resident = run.resident.pop((op.stage_index, op.round_index))
@@ -449,9 +476,13 @@ class Executor:
         m = op.microbatch_index
         carry = run.slots.pop(("in", op.stage_index, m))
         saved: dict[int, Any] = {}
+
+        def on_boundary(layer_index: int, boundary: Any) -> None:  # a later in-place op must not reach it
+            saved[layer_index] = snapshot(boundary)
+
         with torch.no_grad(), self._autocast(backend):
             carry, _ = self._call_layers(backend, run, self._stage_key(run, op), spec.layers, carry, m,
-                                         on_boundary=saved.__setitem__, profile_kind="forward")
+                                         on_boundary=on_boundary, profile_kind="forward")
         run.slots[("out", op.stage_index, m)] = ("F", (carry, saved))
         return 0
 
@@ -466,6 +497,7 @@ class Executor:
                                                  profile_kind="forward")
             loss = out[self.seq.loss_key]
             self._backprop([(loss, torch.full_like(loss, run.state.loss_seed))], layer_s, backend)
+        self._accumulate(run, op)
         grads = [leaf.grad for leaf in leaves] if leaves else None
         run.slots[("out", op.stage_index, m)] = ("X", (loss.detach(), grads))
         return 0
@@ -486,13 +518,21 @@ class Executor:
         out, leaves, layer_s = run.slots.pop(("graph", op.stage_index, m))
         incoming = run.slots.pop(("gin", op.stage_index, m))
         last = spec.layers.stop == len(self.seq.layers)
-        outs = pytree.tree_leaves(out) if last else _diff_leaves(out, self.seq.grad_keys)
+        outs = pytree.tree_leaves(out) if last else diff_leaves(out, self.seq.grad_keys)
         pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, incoming)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         with torch.enable_grad():
             self._backprop(pairs, layer_s, backend)
+        self._accumulate(run, op)
         run.slots[("out", op.stage_index, m)] = ("B", (None, [leaf.grad for leaf in leaves] if leaves else None))
         return 0
+
+    def _accumulate(self, run: ProgramRun, op: Op) -> None:
+        """After a microbatch's backward: its low-precision weight gradients into the stage's fp32
+        accumulator (compute stream), so the sum over microbatches is fp32."""
+        accumulator = run.resident[self._stage_key(run, op)].accumulator
+        if accumulator is not None:
+            accumulator.add()
 
     def _backprop(self, pairs: list, layer_s: dict[int, float], backend: Backend) -> None:
         started = time.perf_counter()
@@ -503,37 +543,6 @@ class Executor:
             total, whole = time.perf_counter() - started, sum(layer_s.values()) or 1.0
             for li, sec in layer_s.items():
                 self.profiler.record("backward", li, total * sec / whole)
-
-
-def _grad_leaves(carry: dict, keys: tuple[str, ...]) -> tuple[dict, list[torch.Tensor]]:
-    """Copy of ``carry`` whose float tensors under ``keys`` are fresh leaves requiring grad."""
-    leaves: list[torch.Tensor] = []
-
-    def mark(t: Any) -> Any:
-        if is_float_tensor(t):
-            t = t.detach().requires_grad_(True)
-            leaves.append(t)
-        return t
-
-    out = dict(carry)
-    for k in keys:
-        if k in out:
-            out[k] = pytree.tree_map(mark, out[k])
-    return out, leaves
-
-
-def _grad_positions(carry: Any, positions: tuple) -> tuple[Any, list[torch.Tensor]]:
-    """Copy of ``carry`` whose leaves at the flat ``positions`` are fresh leaves requiring grad."""
-    flat, spec = pytree.tree_flatten(carry)
-    leaves = []
-    for i in positions:
-        flat[i] = flat[i].detach().requires_grad_(True)
-        leaves.append(flat[i])
-    return pytree.tree_unflatten(flat, spec), leaves
-
-
-def _diff_leaves(carry: dict, keys: tuple[str, ...]) -> list[Any]:
-    return [t for k in keys if k in carry for t in pytree.tree_leaves(carry[k]) if is_float_tensor(t)]
 
 
 def rng_layers(seq: LayerSequence) -> frozenset:

@@ -5,12 +5,22 @@
   parameters, e.g. bf16 under bf16-mixed; buffers keep their dtype), pinned on CUDA, from which
   every upload reads (paper section 3.3: uploads move compute-dtype bytes from pinned memory). A
   shadow is refreshed from its master when the master changed (its version counter moved: the
-  optimizer step), so the frozen part (a LoRA base) is copied once. Where no copy is needed (CPU
-  virtual devices, same dtype) the master itself is the shadow.
+  optimizer step). Where no copy is needed (CPU virtual devices, same dtype) the master itself is
+  the shadow.
+- **Frozen parameters** (``requires_grad=False``, e.g. a LoRA base) hold only their compute-dtype
+  copy (DESIGN.md section 5): at construction each frozen floating-point parameter that would need
+  a shadow is converted *in place* (``param.data = param.data.to(compute_dtype)``, pinned on CUDA),
+  so it is its own shadow: no fp32 copy, no gradient buffer, no gradient download, uploaded from
+  the same host bytes every step. :meth:`WeightStore.restore_frozen` (the engine's ``close``)
+  gives them back their original dtype; their values stay rounded to the compute dtype, which
+  changes no result: every computation already used the compute-dtype copy. Freezing is read at
+  construction: unfreezing a converted parameter while the store lives is an error.
 - **Stage layout**: a stage's unique tensors packed into one flat byte buffer (16-byte aligned),
   uploaded in chunks of at most ``chunk_bytes`` that may cut a tensor; on the device every tensor
   is a view into the stage's buffer.
-- **Gradients**: a backward stage's gradients come back in one flat host buffer; the host adds them
+- **Gradients**: a backward stage's gradients are summed over its microbatches on the device, in fp32
+  where the compute dtype is narrower (:mod:`~lightning_roundpipe.runtime.grads`), come back in one
+  flat host buffer, and the host adds them
   into the masters' ``.grad`` (or the fused path's CPU buffers) in a fixed order, so the result does
   not depend on thread timing. Tied parameters (SmolLM2's embedding and LM head) are one master:
   every stage that uses it adds into the same ``.grad``.
@@ -24,6 +34,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from lightning_roundpipe.runtime.grads import GradAccumulator, download_bytes, needs_fp32_accumulation
+
 _ALIGN = 16
 
 
@@ -34,6 +46,7 @@ class _Tensor:
     dtype: torch.dtype
     shadow: torch.Tensor | None = None
     version: tuple[int, int] | None = None
+    original_dtype: torch.dtype | None = None  # frozen parameter converted in place: its dtype before
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,8 @@ class ResidentStage:
         views: per tensor, its typed view into ``buffer``.
         grad_pairs: ``(master, view)`` of the trainable parameters (backward stages).
         buffer_pairs: ``(master, view)`` of buffers (BatchNorm statistics written back at ``DROP``).
+        accumulator: fp32 sum over microbatches of the gradients of the ``grad_pairs`` whose view is
+            narrower than fp32 (``None`` when there are none: their ``view.grad`` is read directly).
         nbytes: bytes resident on the device.
     """
 
@@ -73,6 +88,7 @@ class ResidentStage:
     views: list[torch.Tensor]
     grad_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     buffer_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    accumulator: GradAccumulator | None = None
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +106,10 @@ class WeightStore:
         compute_dtype: dtype of uploaded floating-point *parameters* (``None``: the master's dtype);
             buffers keep their dtype (e.g. rotary ``inv_freq`` stays fp32).
         pin_memory: keep shadows in pinned host memory (CUDA), so uploads are asynchronous DMA.
+
+    Frozen floating-point parameters that would need a shadow (another dtype, pinning, a
+    non-contiguous layout) are converted in place at construction (see the module docstring);
+    :meth:`restore_frozen` undoes the dtype change.
     """
 
     def __init__(self, layers: Sequence[nn.Module], compute_dtype: torch.dtype | None = None,
@@ -108,7 +128,8 @@ class WeightStore:
                 key = id(tensor)
                 if key not in self.tensors:
                     dtype = compute_dtype if (is_param and compute_dtype and tensor.is_floating_point()) else tensor.dtype
-                    self.tensors[key] = _Tensor(tensor, is_param, dtype)
+                    self.tensors[key] = entry = _Tensor(tensor, is_param, dtype)
+                    self._hold_frozen_in_compute_dtype(entry)
                 entries.append((name, key))
             self.entries.append(entries)
         self._layouts: dict[range, StageLayout] = {}
@@ -117,11 +138,44 @@ class WeightStore:
         master itself), and only ``refresh(force=True)`` changes any shadow, so the pipeline reads a
         snapshot while the optimizer thread updates the masters (paper section 4)."""
 
+    # ------------------------------------------------------------------ frozen parameters
+    def _hold_frozen_in_compute_dtype(self, entry: _Tensor) -> None:
+        """A frozen floating-point parameter that would need a shadow becomes its own shadow."""
+        master = entry.master
+        if not (entry.is_param and not master.requires_grad and master.is_floating_point() and self._needs_copy(entry)):
+            return
+        entry.original_dtype = master.dtype
+        data = torch.empty(master.shape, dtype=entry.dtype, pin_memory=self.pin_memory)
+        data.copy_(master.detach())
+        master.data = data
+
+    def restore_frozen(self) -> None:
+        """Give the frozen parameters converted at construction their original dtype back (unpinned).
+
+        Their values stay rounded to the compute dtype (e.g. bf16): the pipeline computed with
+        that copy all along, so no training result changes.
+        """
+        for entry in self.tensors.values():
+            if entry.original_dtype is None:
+                continue
+            master = entry.master
+            data = torch.empty(master.shape, dtype=entry.original_dtype)
+            data.copy_(master.detach())
+            master.data = data
+            entry.original_dtype = None
+            entry.shadow = entry.version = None
+
+    @property
+    def frozen_in_compute_dtype(self) -> list[torch.Tensor]:
+        """The frozen parameters held in the compute dtype (converted at construction)."""
+        return [e.master for e in self.tensors.values() if e.original_dtype is not None]
+
     # ------------------------------------------------------------------ shadows
     def _needs_copy(self, entry: _Tensor) -> bool:
-        trainable = entry.is_param and entry.master.requires_grad
-        return (self.snapshot and trainable or self.pin_memory or entry.dtype != entry.master.dtype
-                or not entry.master.is_contiguous())
+        master = entry.master
+        trainable = entry.is_param and master.requires_grad
+        return ((self.snapshot and trainable) or (self.pin_memory and not master.is_pinned())
+                or entry.dtype != master.dtype or not master.is_contiguous())
 
     def refresh(self, force: bool = False) -> int:
         """Bring every shadow up to date with its master (after an optimizer step, a checkpoint load).
@@ -131,13 +185,23 @@ class WeightStore:
                 optimizer's caller does, while no optimizer step is in flight).
 
         Returns:
-            Bytes copied (0 when nothing changed: frozen weights are copied once; 0 under
+            Bytes copied (0 when nothing changed; frozen weights are never copied; 0 under
             :attr:`snapshot` without ``force``).
+
+        Raises:
+            ValueError: a frozen parameter held in the compute dtype was unfrozen.
         """
         if self.snapshot and not force:
             return 0
         copied = 0
         for entry in self.tensors.values():
+            if entry.original_dtype is not None and entry.master.requires_grad:
+                raise ValueError(
+                    f"A parameter of shape {tuple(entry.master.shape)} was frozen when RoundPipe started and is held in"
+                    f" {entry.dtype} (its compute-dtype copy only); it now has `requires_grad=True`, but it has no"
+                    f" {entry.original_dtype} master to train. HINT: set `requires_grad` before `trainer.fit` (e.g. in"
+                    " the LightningModule's `__init__` or `configure_model`), not during it."
+                )
             master = entry.master.detach()
             if not self._needs_copy(entry):
                 entry.shadow, entry.version = master, None
@@ -189,9 +253,11 @@ class WeightStore:
         return self.layout(layers).total_bytes
 
     def stage_grad_bytes(self, layers: range) -> int:
-        """Bytes of the stage's trainable parameters' gradients (in the upload dtype)."""
+        """Bytes of the stage's trainable parameters' gradients as ``WD2H`` downloads them: fp32
+        where the upload dtype is narrower (the fp32 accumulator), else the upload dtype. Frozen
+        parameters move no gradient bytes."""
         layout = self.layout(layers)
-        return sum(self.tensors[k].master.numel() * self.tensors[k].dtype.itemsize for k in layout.tensors
+        return sum(download_bytes(self.tensors[k].master.numel(), self.tensors[k].dtype) for k in layout.tensors
                    if self.tensors[k].is_param and self.tensors[k].master.requires_grad)
 
     def chunk_pieces(self, layout: StageLayout, buffer: torch.Tensor, start: int, stop: int
@@ -206,7 +272,9 @@ class WeightStore:
         return pieces
 
     def resident(self, layout: StageLayout, buffer: torch.Tensor, with_grad: bool) -> ResidentStage:
-        """Typed views of a stage's device buffer (the replica's parameters and buffers)."""
+        """Typed views of a stage's device buffer (the replica's parameters and buffers); with
+        ``with_grad``, the trainable parameters' views require grad and those narrower than fp32
+        get a :class:`~lightning_roundpipe.runtime.grads.GradAccumulator`."""
         views, grad_pairs, buffer_pairs = [], [], []
         for key, offset in zip(layout.tensors, layout.offsets):
             entry = self.tensors[key]
@@ -218,7 +286,8 @@ class WeightStore:
             elif not entry.is_param:
                 buffer_pairs.append((entry.master, view))
             views.append(view)
-        return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs)
+        low = [(master, view) for master, view in grad_pairs if needs_fp32_accumulation(view.dtype)]
+        return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs, GradAccumulator(low) if low else None)
 
     @staticmethod
     def own_buffers(resident: ResidentStage) -> None:
@@ -242,19 +311,31 @@ class WeightStore:
         for master, view in resident.buffer_pairs:
             master.copy_(view)
 
+    def grad_bytes(self) -> int:
+        """Bytes of the trainable masters' ``.grad`` now (host)."""
+        return sum(e.master.grad.numel() * e.master.grad.element_size() for e in self.tensors.values()
+                   if e.is_param and e.master.grad is not None)
+
     @staticmethod
-    def add_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], sink: dict | None) -> None:
+    def add_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], sink: dict | None) -> int:
         """Add host gradients into ``master.grad`` (cast to the master's dtype), or into
-        ``sink[id(master)] = (master, grad)`` (the fused path's CPU gradient buffers)."""
+        ``sink[id(master)] = (master, grad)`` (the fused path's CPU gradient buffers).
+
+        Returns:
+            Bytes of the new ``sink`` entries (host gradient buffers kept until the loss's backward).
+        """
+        retained = 0
         for master, grad in pairs:
             grad = grad.to(master.dtype)
             if sink is not None:
                 entry = sink.get(id(master))
                 if entry is None:
                     sink[id(master)] = (master, grad)
+                    retained += grad.numel() * grad.element_size()
                 else:
                     entry[1].add_(grad)
             elif master.grad is None:
                 master.grad = grad
             else:
                 master.grad.add_(grad)
+        return retained

@@ -40,7 +40,7 @@ from typing import Sequence
 
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
 from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile
-from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES, RECOMPUTE_MODES, lower
+from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES, RECOMPUTE_MODES, lower, plan_dispatches
 from lightning_roundpipe.schedule.plan import ExecutionPlan
 from lightning_roundpipe.schedule.program import STREAMS, Op, OpKind, StreamProgram
 from lightning_roundpipe.schedule.roundpipe import build_roundpipe_plan
@@ -437,6 +437,31 @@ def _lower(plan: ExecutionPlan, profiles: list[LayerProfile], recompute: str | N
                  recompute=recompute, validate=validate)
 
 
+def _with_optimizer_edges(program: StreamProgram, per_iteration: int, lag: int) -> StreamProgram:
+    """``program`` (several iterations of one plan back to back) with the optimizer's dependency
+    added: every ``LOAD`` of a dispatch whose first microbatch is in iteration ``i`` waits for
+    every ``WD2H`` of the dispatches of iteration ``i - lag`` (the weights it uploads were updated
+    with those gradients)."""
+    iteration_of = {(d.stage_index, d.round_index): min(a.microbatch_index for a in d.computes) // per_iteration
+                    for d in plan_dispatches(program.plan) if d.computes}
+    downloads: dict[int, list[Op]] = {}
+    loads: list[Op] = []
+    for _, _, _, op in program.ops():
+        iteration = iteration_of.get((op.stage_index, op.round_index))
+        if iteration is None:
+            continue
+        if op.kind is OpKind.WD2H:
+            downloads.setdefault(iteration, []).append(op)
+        elif op.kind is OpKind.LOAD:
+            loads.append(op)
+    deps = dict(program.deps)
+    for op in loads:
+        before = downloads.get(iteration_of[(op.stage_index, op.round_index)] - lag, ())
+        if before:
+            deps[op] = tuple(deps.get(op, ())) + tuple(before)
+    return StreamProgram(program.plan, program.streams, deps, program.chunk_bytes, program.recompute)
+
+
 def simulate(
     plan: ExecutionPlan,
     profiles: Sequence[LayerProfile],
@@ -448,6 +473,7 @@ def simulate(
     weight_grad_fraction: float = 0.5,
     steady_iterations: int = 4,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    weight_staleness: int = 1,
 ) -> SimulationResult:
     """Lower ``plan`` to its stream program and time it: one training iteration, or the steady state.
 
@@ -465,7 +491,8 @@ def simulate(
             (the same plan with ``steady_iterations x M`` microbatches in the same rounds, so the
             rotation continues and no optimizer barrier separates them) and measure from the start
             of iteration 1 to the start of the last (an iteration starts with the first compute op
-            on its first microbatch): fill and drain are hidden by the neighbours.
+            on its first microbatch): fill and drain are hidden by the neighbours, as far as the
+            optimizer allows (``weight_staleness``).
         comm_s_per_hop: seconds of one activation hop GPU -> host -> GPU (half on each end).
         recompute: ``None``: :func:`lower`'s default (``"early"`` for RoundPipe, the plan's
             ``_meta["recompute"]`` for baselines, ``"late"`` when recomputing); ``True``: recompute
@@ -473,14 +500,22 @@ def simulate(
         weight_grad_fraction: share (0..1) of ``backward_s`` in ``W`` ops (ZB-H1).
         steady_iterations: iterations simulated in steady state (>= 3).
         chunk_bytes: largest ``LOAD`` chunk, bytes (the no-preemption granularity of weight uploads).
+        weight_staleness: steady state: how many optimizer steps old the weights an iteration
+            uploads may be. Iteration ``i``'s weight uploads (every ``LOAD``) wait for every
+            gradient download (``WD2H``) of iteration ``i - 1 - weight_staleness``: ``1`` is the
+            paper's asynchronous optimizer (section 4: step ``i`` runs on weights one step stale,
+            so its fill overlaps the previous iteration's drain), ``0`` the synchronous optimizer
+            (an iteration's uploads wait for all of the previous iteration's gradients; the
+            optimizer step itself costs no time here). Without this bound, with more devices
+            than work, iterations would run side by side and the period tend to 0.
 
     Returns:
         A :class:`SimulationResult`; times in seconds, idle in percent.
 
     Raises:
         TypeError: ``plan`` is not an :class:`ExecutionPlan`, or ``profiles`` holds something else.
-        ValueError: ``profiles`` does not cover the plan's layers, a bad argument value, steady
-            state for a plan that is not from :func:`build_roundpipe_plan` (a bound baseline), or
+        ValueError: ``profiles`` does not cover the plan's layers, a bad argument value (also
+            ``weight_staleness`` not an int >= 0), steady state for a plan that is not from :func:`build_roundpipe_plan` (a bound baseline), or
             a plan whose program deadlocks.
     """
     if not isinstance(plan, ExecutionPlan):
@@ -507,7 +542,11 @@ def simulate(
     long_plan = build_roundpipe_plan(
         builder["stages"], builder["num_devices"], steady_iterations * per_iteration, builder["cursor"],
         builder["prefetch"], microbatches_per_round=builder["microbatches_per_round"] or per_iteration)
-    program = _lower(long_plan, profiles, mode, chunk_bytes, validate=False)
+    if isinstance(weight_staleness, bool) or not isinstance(weight_staleness, int) or weight_staleness < 0:
+        raise ValueError(f"`weight_staleness` must be an int >= 0 (optimizer steps), got {weight_staleness!r}."
+                         " HINT: 1 for the paper's asynchronous optimizer, 0 for the synchronous one.")
+    program = _with_optimizer_edges(_lower(long_plan, profiles, mode, chunk_bytes, validate=False),
+                                    per_iteration, 1 + weight_staleness)
     run = _run_program(program, profiles, hardware, comm_s_per_hop, weight_grad_fraction)
     first_compute: dict[int, float] = {}
     for at, op in enumerate(run.ops):
