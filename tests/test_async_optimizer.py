@@ -72,7 +72,7 @@ class Module(L.LightningModule):
         self.val_outputs.append(self.model(batch[0]).detach().clone())
 
     def configure_optimizers(self):
-        opt = make_optimizer(self.model.parameters(), self.optimizer_kind, self.lr)
+        opt = make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.optimizer_kind, self.lr)
         if not self.scheduler:
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -87,7 +87,7 @@ def reference(model: nn.Module, batches: list, optimizer: str, lr: float, steps:
     weights (a validation run during async fit refreshes the pipeline's weights)."""
     live = copy.deepcopy(model)
     view = copy.deepcopy(model)  # the weights the pipeline computes on
-    opt = make_optimizer(live.parameters(), optimizer, lr)
+    opt = make_optimizer([p for p in live.parameters() if p.requires_grad], optimizer, lr)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
     out = []
     batches = iter(batches)
@@ -97,9 +97,9 @@ def reference(model: nn.Module, batches: list, optimizer: str, lr: float, steps:
         view.zero_grad(set_to_none=True)
         for _ in range(accumulate):
             (_loss(view, next(batches)) / accumulate).backward()
-        grads = [p.grad.clone() for p in view.parameters()]
+        grads = [p.grad.clone() for p in view.parameters() if p.requires_grad]
         view.load_state_dict(live.state_dict())  # W_{step-1}: what the next step computes on
-        for param, grad in zip(live.parameters(), grads):
+        for param, grad in zip([p for p in live.parameters() if p.requires_grad], grads):
             param.grad = grad
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(live.parameters(), clip)
@@ -116,6 +116,11 @@ def reference(model: nn.Module, batches: list, optimizer: str, lr: float, steps:
 def _case(kind: str):
     if kind == "mlp":
         return tiny_mlp(), VectorData()
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(tiny_hf("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                           lora_dropout=0.0)), TokenData()
     return tiny_hf("llama"), TokenData()
 
 
@@ -139,6 +144,29 @@ def test_async_equals_one_step_stale_reference(kind, optimizer, lr, devices):
     assert diff <= TOL
     exact = reference(model, batches, optimizer, lr, STEPS, stale=False)[-1][0]
     assert max_diff(got, exact) > 100 * TOL  # the staleness is real
+
+
+def test_async_lora_frozen_base_keeps_its_single_copy():
+    """LoRA (PEFT, frozen base): the adapters follow the stale reference; only trainable weights get
+    a snapshot copy, the frozen base stays its own shadow."""
+    model, data = _case("lora")
+    stale = reference(model, list(loader(data)), "adam", 1e-3, STEPS)[-1][0]
+    module = Module(copy.deepcopy(model), "adam", 1e-3)
+    copies = {}
+
+    class Shadows(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            for entry in trainer.strategy.engine.store.tensors.values():
+                if entry.is_param:
+                    copies[entry.master.requires_grad] = copies.get(entry.master.requires_grad, set()) | {
+                        entry.shadow.data_ptr() != entry.master.data_ptr()}
+
+    trainer(lightning_roundpipe.RoundPipeStrategy(optimizer="async"), 2, max_steps=STEPS,
+            callbacks=[Shadows()]).fit(module, loader(data))
+    assert max_diff(params(module.model), stale) <= TOL
+    exact = reference(model, list(loader(data)), "adam", 1e-3, STEPS, stale=False)[-1][0]
+    assert max_diff(params(module.model), exact) > 100 * TOL  # the staleness is real
+    assert copies == {True: {True}, False: {False}}
 
 
 def test_reference_without_staleness_is_lightning():

@@ -117,6 +117,10 @@ class WeightStore:
         self.layers = list(layers)
         self.compute_dtype = compute_dtype
         self.pin_memory = pin_memory
+        self.snapshot = False
+        """Asynchronous optimizer: the shadows of trainable parameters are always copies (never the
+        master itself), and only ``refresh(force=True)`` changes any shadow, so the pipeline reads a
+        snapshot while the optimizer thread updates the masters (paper section 4)."""
         self.tensors: dict[int, _Tensor] = {}
         # (name, master key) per layer, captured once in the main thread: workers never read the modules' attributes
         self.entries: list[list[tuple[str, int]]] = []
@@ -133,10 +137,6 @@ class WeightStore:
                 entries.append((name, key))
             self.entries.append(entries)
         self._layouts: dict[range, StageLayout] = {}
-        self.snapshot = False
-        """Asynchronous optimizer: the shadows of trainable parameters are always copies (never the
-        master itself), and only ``refresh(force=True)`` changes any shadow, so the pipeline reads a
-        snapshot while the optimizer thread updates the masters (paper section 4)."""
 
     # ------------------------------------------------------------------ frozen parameters
     def _hold_frozen_in_compute_dtype(self, entry: _Tensor) -> None:
