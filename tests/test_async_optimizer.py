@@ -183,9 +183,9 @@ def test_reference_without_staleness_is_lightning():
 @pytest.mark.parametrize("kind", ["mlp", "llama"])
 def test_async_with_accumulation_clipping_and_scheduler(kind):
     """Every batch of an accumulation window computes on the same (stale) weights; clipping sees the
-    step's gradient; the StepLR step runs after the update it follows (the thread's order: the slow
-    optimizer reads the learning rate after a sleep, so a scheduler step that does not queue behind
-    it changes the learning rate of the update in flight)."""
+    step's gradient; the StepLR step runs after the update it follows (queued to the next wait: the
+    slow optimizer reads the learning rate after a sleep, so a scheduler step run at once changes
+    the learning rate of the update in flight)."""
     model, data = _case(kind)
     kw = dict(accumulate=2, clip=0.5, scheduler=True)
     stale = reference(model, list(loader(data)), "slow_sgd", 0.05, 3, **kw)[-1][0]
@@ -363,3 +363,34 @@ def test_16_mixed_inf_step_is_skipped_and_backs_off():
         unchanged = all(torch.equal(history[step][k], history[step + 1][k]) for k in initial)
         assert unchanged == (step == inf_step), step
     assert recorder.scales == expected_scales(2.0**10, {inf_step}, steps, growth_interval=2)
+
+
+def test_only_the_update_runs_off_the_main_thread():
+    """The thread runs `optimizer.step()` alone; `zero_grad` (it sets `.grad`, which torch does not
+    make safe against a concurrent read) and the LR scheduler step run in the main thread."""
+    import threading
+
+    seen: dict[str, set] = {"step": set(), "zero_grad": set(), "lr_scheduler_step": set()}
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            seen["step"].add(threading.current_thread().name)
+            return super().step(closure)
+
+        def zero_grad(self, set_to_none: bool = True):
+            seen["zero_grad"].add(threading.current_thread().name)
+            super().zero_grad(set_to_none)
+
+    class WithRecording(Module):
+        def configure_optimizers(self):
+            opt = Recording(self.model.parameters(), lr=0.05)
+            return [opt], [{"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), "interval": "step"}]
+
+        def lr_scheduler_step(self, scheduler, metric):
+            seen["lr_scheduler_step"].add(threading.current_thread().name)
+            super().lr_scheduler_step(scheduler, metric)
+
+    trainer(lightning_roundpipe.RoundPipeStrategy(optimizer="async"), 2, max_steps=STEPS).fit(
+        WithRecording(tiny_mlp()), loader(VectorData()))
+    main = threading.main_thread().name
+    assert seen == {"step": {"roundpipe-optimizer"}, "zero_grad": {main}, "lr_scheduler_step": {main}}

@@ -12,9 +12,12 @@ Lightning's training loop:
   gradient) and records the step instead of running it. After the plugin returns, the main thread
   waits for the step in flight, refreshes the pipeline's weight snapshot from the masters and
   submits the recorded step to the thread.
-- ``optimizer.zero_grad`` and ``LightningModule.lr_scheduler_step`` go to the same thread while a
-  step is in flight (so they run after it, in Lightning's order); gradients are written into
-  ``.grad`` only after a wait (:attr:`RoundPipeEngine.grad_barrier`).
+- ``optimizer.zero_grad`` and ``LightningModule.lr_scheduler_step`` called while a step is in
+  flight are queued and run in the main thread right after the next wait (so after that step, in
+  Lightning's order); gradients are written into ``.grad`` only after a wait
+  (:attr:`RoundPipeEngine.grad_barrier`). The thread runs ``optimizer.step()`` alone: it reads
+  ``.grad`` while no other thread sets it (setting a tensor's ``.grad`` while another thread reads
+  it can crash torch).
 - Everything else that reads the masters waits first: checkpoints (the strategy's
   ``lightning_module_state_dict``/``optimizer_state``/``save_checkpoint``), the start of validation
   (which also refreshes the snapshot), ``on_validation_model_zero_grad``, the end of every training
@@ -93,6 +96,7 @@ class AsyncOptimizer:
         self.engine = None
         self.steps_submitted = 0
         self._patches: list[tuple[Any, str, bool, Any]] = []
+        self._after_wait: list[Callable[[], Any]] = []  # deferred calls, run in order after the next wait
         self._callback: _WaitCallback | None = None
         self._trainer = None
 
@@ -107,14 +111,15 @@ class AsyncOptimizer:
         """
         _check_supported(lightning_module, optimizers, engine)
         self.engine = engine
-        self.stepper = BackgroundStepper()
+        # on CPU virtual devices the devices' threads go first; the step takes the idle cycles
+        self.stepper = BackgroundStepper(niceness=10 if all(d.type == "cpu" for d in engine.devices) else None)
         engine.store.snapshot = True
         engine.store.refresh(force=True)
         engine.grad_barrier = self.wait
         for optimizer in optimizers:
-            self._patch(optimizer, "zero_grad", self._deferred(optimizer.zero_grad, "optimizer.zero_grad()"))
+            self._patch(optimizer, "zero_grad", self._deferred(optimizer.zero_grad))
         self._patch(lightning_module, "lr_scheduler_step",
-                    self._deferred(lightning_module.lr_scheduler_step, "LR scheduler step"))
+                    self._deferred(lightning_module.lr_scheduler_step))
         zero_grad_hook = lightning_module.on_validation_model_zero_grad
 
         def on_validation_model_zero_grad() -> None:
@@ -131,6 +136,7 @@ class AsyncOptimizer:
         if self.stepper is not None:
             self.stepper.close()
             self.stepper = None
+        self._after_wait.clear()
         for owner, name, had, old in reversed(self._patches):
             if had:
                 owner.__dict__[name] = old
@@ -150,13 +156,13 @@ class AsyncOptimizer:
         self._patches.append((owner, name, had, owner.__dict__.get(name)))
         owner.__dict__[name] = value
 
-    def _deferred(self, original: Callable, description: str) -> Callable:
-        """``original``, queued behind the step in flight when there is one, else run now."""
+    def _deferred(self, original: Callable) -> Callable:
+        """``original``, run in the main thread after the next wait when a step is in flight, else now."""
 
         @functools.wraps(original)
         def deferred(*args: Any, **kwargs: Any) -> Any:
             if self.stepper is not None and self.stepper.pending:
-                self.stepper.submit(functools.partial(original, *args, **kwargs), description)
+                self._after_wait.append(functools.partial(original, *args, **kwargs))
                 return None
             return original(*args, **kwargs)
 
@@ -164,13 +170,27 @@ class AsyncOptimizer:
 
     # ------------------------------------------------------------------ waits
     def wait(self, raise_errors: bool = True) -> None:
-        """Block until the step in flight (and the jobs queued behind it) has run.
+        """Block until the step in flight has run, then run the calls deferred behind it
+        (``zero_grad``, LR scheduler steps) in the main thread, in order.
+
+        Args:
+            raise_errors: re-raise the step's exception; ``False`` (exceptions, teardown): drop it
+                and the deferred calls.
 
         Raises:
-            The exception of a failed job (its type kept), when ``raise_errors``.
+            The exception of the failed step (its type kept), when ``raise_errors``.
         """
-        if self.stepper is not None:
+        if self.stepper is None:
+            return
+        try:
             self.stepper.wait(raise_errors)
+        except BaseException:
+            self._after_wait.clear()
+            raise
+        queued, self._after_wait = self._after_wait, []
+        if raise_errors:
+            for call in queued:
+                call()
 
     def synchronize(self) -> None:
         """:meth:`wait`, then refresh the pipeline's weight snapshot from the masters."""
@@ -179,10 +199,9 @@ class AsyncOptimizer:
             self.engine.store.refresh(force=True)
 
     def pop_metrics(self) -> dict[str, float]:
-        """Since the last call: ``roundpipe/optimizer_thread(s)``, seconds the thread ran jobs (the
-        optimizer steps, with the ``zero_grad`` and scheduler steps queued behind them), and
-        ``roundpipe/optimizer_wait(s)``, seconds the main thread waited for them (0 when the overlap
-        hides the step completely)."""
+        """Since the last call: ``roundpipe/optimizer_thread(s)``, seconds the thread ran optimizer
+        steps, and ``roundpipe/optimizer_wait(s)``, seconds the main thread waited for them (0 when
+        the overlap hides the step completely)."""
         if self.stepper is None:
             return {}
         busy_s, waited_s = self.stepper.pop_stats()

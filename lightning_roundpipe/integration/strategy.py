@@ -110,10 +110,11 @@ class RoundPipeStrategy(SingleDeviceStrategy):
       (``16-mixed``, inf gradients) hands nothing to the thread, so the step after it computes on
       the current weights. When fit ends, all updates are applied.
     - ``on_before_optimizer_step``, gradient clipping and ``on_after_backward`` run in the main
-      thread on the step's gradient, before its update is handed to the thread. Step-interval LR
-      scheduler steps run on the thread right after the update they follow (the update of step
-      ``j`` uses the same learning rate as in ``"sync"``); a callback reading ``param_groups``'
-      ``lr`` in ``on_train_batch_start``/``end`` may see it before that scheduler step.
+      thread on the step's gradient, before its update is handed to the thread. ``zero_grad`` and
+      LR scheduler steps called while an update is in flight run in the main thread at the next
+      wait, right after that update (the update of step ``j`` uses the same learning rate as in
+      ``"sync"``); a callback reading ``param_groups``' ``lr`` in ``on_train_batch_start``/``end``
+      may see it before that scheduler step.
     - Checkpoints, the end of every training epoch and of fit, and exceptions wait for the step in
       flight: a checkpoint saved after step ``j`` holds ``W_j`` and the optimizer state after it.
       Validation during fit waits and also refreshes the pipeline's weights: it evaluates ``W_j``,

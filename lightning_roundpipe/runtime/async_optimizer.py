@@ -2,8 +2,8 @@
 
 RoundPipe paper (arXiv 2604.27085), section 4 ("RoundPipe" vs "RoundPipe-sync"): the CPU optimizer
 step of training step k runs while the devices compute step k+1 on weights one step stale. This
-module is the mechanism only: one thread that runs the jobs it is given (an optimizer step, the
-gradient reset and the LR scheduler step that must follow it) in submission order, and a
+module is the mechanism only: one thread that runs the jobs it is given (optimizer steps) in
+submission order, and a
 :meth:`BackgroundStepper.wait` the caller puts before everything that reads or writes the master
 weights or their ``.grad``. Which reads those are, and when the pipeline's weight snapshot is
 refreshed, is decided by the caller (``integration/async_step.py`` for Lightning).
@@ -11,6 +11,8 @@ refreshed, is decided by the caller (``integration/async_step.py`` for Lightning
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import time
 from typing import Callable
@@ -18,8 +20,20 @@ from typing import Callable
 from lightning_roundpipe.runtime.devices import StreamThread
 
 
+def _lower_priority(niceness: int) -> None:
+    """Raise the calling thread's niceness (Linux: ``setpriority`` on the thread id), if possible."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(os.getpriority(os.PRIO_PROCESS, 0), niceness))
+    except (AttributeError, OSError):  # not Linux, or not permitted: keep the inherited priority
+        pass
+
+
 class BackgroundStepper:
-    """Runs jobs (optimizer steps and what must follow them) on one CPU thread, in order.
+    """Runs jobs (optimizer steps) on one CPU thread, in order.
+
+    A job must not set a tensor's ``.grad`` that another thread may read meanwhile (torch's
+    ``.grad`` setter and getter are not safe against each other across threads): the caller runs
+    such work (``zero_grad``) itself after :meth:`wait`.
 
     ``pending`` is the caller's own view: ``True`` from a :meth:`submit` until the next
     :meth:`wait` returns, whatever the thread has done meanwhile, so a caller that branches on it
@@ -27,10 +41,12 @@ class BackgroundStepper:
 
     Args:
         name: name of the thread.
+        niceness: scheduling niceness of the thread (Linux, 0..19; ``None``: inherit): the devices'
+            threads go first, the step takes the idle cycles (ignored where not supported).
     """
 
-    def __init__(self, name: str = "roundpipe-optimizer") -> None:
-        self._thread = StreamThread(name)
+    def __init__(self, name: str = "roundpipe-optimizer", niceness: int | None = 10) -> None:
+        self._thread = StreamThread(name, setup=None if niceness is None else functools.partial(_lower_priority, niceness))
         self._done: list[threading.Event] = []
         self._lock = threading.Lock()
         self._error: BaseException | None = None

@@ -313,8 +313,12 @@ class WeightStore:
 
     def grad_bytes(self) -> int:
         """Bytes of the trainable masters' ``.grad`` now (host)."""
-        return sum(e.master.grad.numel() * e.master.grad.element_size() for e in self.tensors.values()
-                   if e.is_param and e.master.grad is not None)
+        total = 0
+        for entry in self.tensors.values():
+            grad = entry.master.grad if entry.is_param else None  # read once: another thread may set it
+            if grad is not None:
+                total += grad.numel() * grad.element_size()
+        return total
 
     @staticmethod
     def add_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], sink: dict | None) -> int:
