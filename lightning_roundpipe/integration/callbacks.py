@@ -23,7 +23,10 @@ class RoundPipeMetricsCallback(Callback):
     step ran, from the measured per-layer times, plus the measured optimizer time (after the
     profiled steps), ``roundpipe/host_memory(GiB)`` the host bytes of the model's parameters
     (masters, compute copies, gradients and their host buffers, optimizer state; see
-    :func:`~lightning_roundpipe.runtime.memory.host_memory`). Evaluation phases are not logged.
+    :func:`~lightning_roundpipe.runtime.memory.host_memory`). With
+    ``RoundPipeStrategy(optimizer="async")`` also ``roundpipe/optimizer_thread(s)`` and
+    ``roundpipe/optimizer_wait(s)`` (:meth:`AsyncOptimizer.pop_metrics`). Evaluation phases are
+    not logged.
     """
 
     def __init__(self) -> None:
@@ -56,6 +59,9 @@ class RoundPipeMetricsCallback(Callback):
         memory = engine.host_memory(trainer.optimizers)
         metrics = step_metrics(engine.pop_timelines(), step_s=step_s, optimizer_s=optimizer_s, predicted_step_s=predicted,
                                host_memory_bytes=memory.total_bytes)
+        async_optimizer = getattr(trainer.strategy, "async_optimizer", None)
+        if metrics and async_optimizer is not None:
+            metrics.update(async_optimizer.pop_metrics())
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 

@@ -4,7 +4,8 @@ A single-process strategy: the LightningModule (its parameters are the master we
 optimizer and the batches stay on the CPU; ``parallel_devices`` are the stateless workers the
 :class:`~lightning_roundpipe.runtime.engine.RoundPipeEngine` dispatches stages to round-robin. The
 strategy only adapts Lightning's hooks: find the module, build the engine in ``setup``, install the
-pipelined forward, and close it in ``teardown``.
+pipelined forward, and close it in ``teardown``; with ``optimizer="async"`` it also hands the
+optimizer steps to :class:`~lightning_roundpipe.integration.async_step.AsyncOptimizer`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_roundpipe.adapters import is_supported, make_layer_sequence
+from lightning_roundpipe.integration.async_step import AsyncOptimizer, check_optimizer_mode
 from lightning_roundpipe.integration.precision import RoundPipePrecision
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.engine import RoundPipeEngine
@@ -87,18 +89,52 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         debug_copy_delay_s: CPU virtual devices only, for debugging the runtime: every copy lands
             this many seconds late and its destination holds NaN meanwhile, so a missing
             dependency shows up as a wrong result (default 0: off).
+        optimizer: ``"sync"`` (default): Lightning's exact semantics, the optimizer step runs
+            between two pipelines. ``"async"``: the paper's mode (section 4, "RoundPipe" vs
+            "RoundPipe-sync"): the CPU optimizer step of step k runs on a background thread while
+            the pipeline of step k+1 runs on the weights from before it; see *Asynchronous
+            optimizer* below.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning strategies;
             ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``,
             the precision plugin from ``Trainer(precision=...)``: Lightning's plugin is wrapped in a
             :class:`~lightning_roundpipe.RoundPipePrecision` (``16-mixed`` on the CPU computes in
             fp16 with loss scaling, where Lightning's own plugin would fall back to bf16).
 
+    Asynchronous optimizer (``optimizer="async"``, fit only). Write ``W_j`` for the weights after
+    ``j`` optimizer steps and ``g(W)`` for a step's gradient computed on weights ``W``:
+
+    - Step 1 is exact: ``W_1 = update(W_0, g(W_0))``. Step ``j >= 2`` computes its gradient on
+      ``W_{j-2}`` (one step stale: update ``j - 1`` is running on the thread meanwhile) and applies
+      it to ``W_{j-1}``: ``W_j = update(W_{j-1}, g(W_{j-2}))``. With ``accumulate_grad_batches``
+      every batch of a window computes on the same weights. A step the precision plugin skips
+      (``16-mixed``, inf gradients) hands nothing to the thread, so the step after it computes on
+      the current weights. When fit ends, all updates are applied.
+    - ``on_before_optimizer_step``, gradient clipping and ``on_after_backward`` run in the main
+      thread on the step's gradient, before its update is handed to the thread. ``zero_grad`` and
+      LR scheduler steps called while an update is in flight run in the main thread at the next
+      wait, right after that update (the update of step ``j`` uses the same learning rate as in
+      ``"sync"``); a callback reading ``param_groups``' ``lr`` in ``on_train_batch_start``/``end``
+      may see it before that scheduler step.
+    - Checkpoints, the end of every training epoch and of fit, and exceptions wait for the step in
+      flight: a checkpoint saved after step ``j`` holds ``W_j`` and the optimizer state after it.
+      Validation during fit waits and also refreshes the pipeline's weights: it evaluates ``W_j``,
+      and the first training step after it computes on ``W_j`` (exact) instead of ``W_{j-1}``.
+    - Resuming from a checkpoint restarts the staleness (its first step is exact), so a resumed run
+      is not bitwise equal to a straight one, unlike ``"sync"``.
+    - The masters are being updated between the step's end and the next step's backward:
+      ``training_step`` must reach the pipelined module's weights only through its forward, and a
+      callback that reads them in ``on_train_batch_end``/``on_train_batch_start`` must call
+      :meth:`wait_for_optimizer` first. On CPU virtual devices the pipeline reads copies of the
+      trainable weights (one more fp32 copy of them in host memory).
+
     Raises:
         ValueError: for ``num_microbatches < 1``, a non-positive ``chunk_bytes``,
-            ``microbatches_per_round`` or ``cpu_link_bytes_per_s``; for a precision other than
-            ``32-true``, ``64-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
+            ``microbatches_per_round`` or ``cpu_link_bytes_per_s``; an ``optimizer`` other than
+            ``"sync"``/``"async"``; for a precision other than ``32-true``, ``64-true``,
+            ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
             (:class:`~lightning_roundpipe.RoundPipePrecision`); at setup, for an accelerator other
-            than CPU and CUDA.
+            than CPU and CUDA, and with ``optimizer="async"`` for manual optimization,
+            ``torch.optim.LBFGS`` or an optimizer updating parameters outside the pipelined module.
         TypeError: for ill-typed arguments, or a precision plugin other than Lightning's
             ``Precision``, ``MixedPrecision``, ``HalfPrecision``, ``DoublePrecision`` and
             :class:`~lightning_roundpipe.RoundPipePrecision`.
@@ -119,6 +155,7 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         microbatches_per_round: int | None = None,
         cpu_link_bytes_per_s: float | None = None,
         debug_copy_delay_s: float = 0.0,
+        optimizer: str = "sync",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: Any = None,
@@ -143,6 +180,7 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             _check_positive("cpu_link_bytes_per_s", cpu_link_bytes_per_s, integer=False, hint="25e9 models PCIe 4.0 x16 one way")
         if not isinstance(debug_copy_delay_s, (int, float)) or isinstance(debug_copy_delay_s, bool) or debug_copy_delay_s < 0:
             raise ValueError(f"`debug_copy_delay_s` must be a number of seconds >= 0, got {debug_copy_delay_s!r}.")
+        check_optimizer_mode(optimizer)
         if (forward_stages is None) != (backward_stages is None):
             raise ValueError("Pass both `forward_stages` and `backward_stages`, or neither (default partition).")
         # the plugin used while none is set; not stored in `_precision_plugin`, which Lightning reads as the user's choice
@@ -160,7 +198,9 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         self.microbatches_per_round = microbatches_per_round
         self.cpu_link_bytes_per_s = cpu_link_bytes_per_s
         self.debug_copy_delay_s = float(debug_copy_delay_s)
+        self.optimizer_mode = optimizer
         self.engine: RoundPipeEngine | None = None
+        self._async: AsyncOptimizer | None = None
         self._callback = None
 
     # ------------------------------------------------------------------ precision
@@ -230,6 +270,14 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         if self.fused_loss and seq.loss_key:
             log.info("RoundPipe: fused path on: a training call with `labels` returns the loss only (`logits=None`);"
                      " use `RoundPipeStrategy(fused_loss=False)` to get logits in `training_step`.")
+        if fitting and self.optimizer_mode == "async":
+            self._async = AsyncOptimizer()
+            try:
+                self._async.install(trainer, self.lightning_module, self.optimizers, self.engine)
+            except BaseException:
+                self._async.uninstall()
+                self._async = None
+                raise
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_roundpipe.integration.callbacks import RoundPipeMetricsCallback
 
@@ -268,8 +316,67 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             " HINT: choose one with `RoundPipeStrategy(module='<attribute>')`."
         )
 
+    # ------------------------------------------------------------------ asynchronous optimizer
+    @property
+    def async_optimizer(self) -> AsyncOptimizer | None:
+        """The :class:`AsyncOptimizer` of the running fit with ``optimizer="async"``, else ``None``."""
+        return self._async
+
+    def wait_for_optimizer(self) -> None:
+        """Block until the optimizer step in flight (``optimizer="async"``) has updated the weights;
+        a no-op in ``"sync"`` mode or outside fit.
+
+        Raises:
+            The exception the step raised on the optimizer thread (its type and attributes kept).
+        """
+        if self._async is not None:
+            self._async.wait()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._async is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        return self._async.optimizer_step(optimizer, lambda: super(RoundPipeStrategy, self).optimizer_step(
+            optimizer, closure, model, **kwargs))
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.wait_for_optimizer()  # the pipeline's gradients waited already; anything else written now is safe
+        return out
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.wait_for_optimizer()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, torch.Tensor]:
+        self.wait_for_optimizer()
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.wait_for_optimizer()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def on_train_end(self) -> None:
+        if self._async is not None:
+            self._async.synchronize()
+        super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._async is not None:
+            self._async.wait(raise_errors=False)
+        super().on_exception(exception)
+
     @override
     def teardown(self) -> None:
+        if self._async is not None:
+            self._async.uninstall()
+            self._async = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -287,4 +394,5 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             strategy_registry.register(cls.strategy_name, cls, description="RoundPipe pipeline training (CPU master weights, round-robin stages)")
 
     def __repr__(self) -> str:
-        return f"RoundPipeStrategy(num_microbatches={self.num_microbatches}, module={self.module_name!r}, devices={self.num_devices})"
+        return (f"RoundPipeStrategy(num_microbatches={self.num_microbatches}, module={self.module_name!r},"
+                f" devices={self.num_devices}, optimizer={self.optimizer_mode!r})")

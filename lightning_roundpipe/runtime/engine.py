@@ -140,6 +140,11 @@ class RoundPipeEngine:
         self.measured_profiles = None
         self._last_call: tuple[int, bool] | None = None  # (microbatches, fused) of the last training call
         self._predictions: dict[int, tuple[StreamProgram, float]] = {}
+        self.grad_barrier: Callable[[], None] | None = None
+        """Called in the main thread right before the engine writes gradients into the masters'
+        ``.grad`` (the asynchronous optimizer waits there for the step in flight, paper section 4);
+        while set, the transparent path's backward stages also collect their gradients in CPU
+        buffers first, so they run while that step is in flight."""
         for name, value in (("auto_partition_after_steps", auto_partition_after_steps), ("profile_steps", profile_steps)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
                 raise ValueError(f"`{name}` must be an int >= 2 (the first step is warm-up) or None, got {value!r}.")
@@ -287,8 +292,15 @@ class RoundPipeEngine:
                     full[i] = g
                 state.final_grads = split_grads(merged, full, sizes)
                 bcursor = (self._advance(n_bwd) - n_fwd) % len(self.backends)
+                barrier = self.grad_barrier
+                if barrier is not None:
+                    state.grad_sink = {}
                 self._run(self.program(m, bcursor, phase="backward"), state)
                 state.acts.clear()
+                if barrier is not None:
+                    barrier()
+                    WeightStore.add_grads(list(state.grad_sink.values()), None)
+                    state.grad_sink = None
                 return self._input_grads(state, flat, sizes)
 
             attached = attach([merged[i] for i in idx], run_backward, grad_inputs)
@@ -336,6 +348,8 @@ class RoundPipeEngine:
             g = grads[0]
             if g is None:
                 return [None] * len(input_grads)
+            if self.grad_barrier is not None:
+                self.grad_barrier()
             for master, buf in sink.values():
                 contrib = scaled(buf, g)
                 if master.grad is None:

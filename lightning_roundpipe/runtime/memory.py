@@ -114,9 +114,10 @@ def host_memory(store: WeightStore, optimizers: Iterable[torch.optim.Optimizer] 
     """
     state_bytes: dict[int, int] = {}
     for optimizer in optimizers:
-        for param, state in optimizer.state.items():
+        # list(): one atomic copy each, as the asynchronous optimizer's thread may be filling them
+        for param, state in list(optimizer.state.items()):
             state_bytes[id(param)] = state_bytes.get(id(param), 0) + sum(
-                _nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+                _nbytes(v) for v in list(state.values()) if isinstance(v, torch.Tensor))
     groups = {True: dict.fromkeys(("num_params", "master_bytes", "shadow_bytes", "grad_bytes", "optimizer_bytes"), 0),
               False: dict.fromkeys(("num_params", "master_bytes", "shadow_bytes", "grad_bytes", "optimizer_bytes"), 0)}
     buffer_bytes = 0
@@ -131,7 +132,8 @@ def host_memory(store: WeightStore, optimizers: Iterable[torch.optim.Optimizer] 
         group["num_params"] += master.numel()
         group["master_bytes"] += _nbytes(master)
         group["shadow_bytes"] += _nbytes(shadow) if separate else 0
-        group["grad_bytes"] += _nbytes(master.grad) if master.grad is not None else 0
+        grad = master.grad  # read once
+        group["grad_bytes"] += _nbytes(grad) if grad is not None else 0
         group["optimizer_bytes"] += state_bytes.get(key, 0)
     grad_buffer_bytes = max(0, peak_grad_bytes - groups[True]["grad_bytes"] - groups[False]["grad_bytes"])
     return HostMemory(trainable=HostBytes(grad_buffer_bytes=grad_buffer_bytes, **groups[True]),

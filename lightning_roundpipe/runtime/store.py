@@ -117,6 +117,10 @@ class WeightStore:
         self.layers = list(layers)
         self.compute_dtype = compute_dtype
         self.pin_memory = pin_memory
+        self.snapshot = False
+        """Asynchronous optimizer: the shadows of trainable parameters are always copies (never the
+        master itself), and only ``refresh(force=True)`` changes any shadow, so the pipeline reads a
+        snapshot while the optimizer thread updates the masters (paper section 4)."""
         self.tensors: dict[int, _Tensor] = {}
         # (name, master key) per layer, captured once in the main thread: workers never read the modules' attributes
         self.entries: list[list[tuple[str, int]]] = []
@@ -169,18 +173,26 @@ class WeightStore:
     # ------------------------------------------------------------------ shadows
     def _needs_copy(self, entry: _Tensor) -> bool:
         master = entry.master
-        return ((self.pin_memory and not master.is_pinned()) or entry.dtype != master.dtype
-                or not master.is_contiguous())
+        trainable = entry.is_param and master.requires_grad
+        return ((self.snapshot and trainable) or (self.pin_memory and not master.is_pinned())
+                or entry.dtype != master.dtype or not master.is_contiguous())
 
-    def refresh(self) -> int:
+    def refresh(self, force: bool = False) -> int:
         """Bring every shadow up to date with its master (after an optimizer step, a checkpoint load).
 
+        Args:
+            force: refresh also when :attr:`snapshot` holds the shadows (the asynchronous
+                optimizer's caller does, while no optimizer step is in flight).
+
         Returns:
-            Bytes copied (0 when nothing changed; frozen weights are never copied).
+            Bytes copied (0 when nothing changed; frozen weights are never copied; 0 under
+            :attr:`snapshot` without ``force``).
 
         Raises:
             ValueError: a frozen parameter held in the compute dtype was unfrozen.
         """
+        if self.snapshot and not force:
+            return 0
         copied = 0
         for entry in self.tensors.values():
             if entry.original_dtype is not None and entry.master.requires_grad:
@@ -192,12 +204,12 @@ class WeightStore:
                 )
             master = entry.master.detach()
             if not self._needs_copy(entry):
-                entry.shadow = master
+                entry.shadow, entry.version = master, None
                 continue
             version = (master.data_ptr(), master._version)
             if entry.shadow is not None and entry.version == version:
                 continue
-            if entry.shadow is None or entry.shadow.shape != master.shape:
+            if entry.shadow is None or entry.version is None or entry.shadow.shape != master.shape:
                 entry.shadow = torch.empty(master.shape, dtype=entry.dtype, pin_memory=self.pin_memory)
             entry.shadow.copy_(master)
             entry.version = version
@@ -301,8 +313,12 @@ class WeightStore:
 
     def grad_bytes(self) -> int:
         """Bytes of the trainable masters' ``.grad`` now (host)."""
-        return sum(e.master.grad.numel() * e.master.grad.element_size() for e in self.tensors.values()
-                   if e.is_param and e.master.grad is not None)
+        total = 0
+        for entry in self.tensors.values():
+            grad = entry.master.grad if entry.is_param else None  # read once: another thread may set it
+            if grad is not None:
+                total += grad.numel() * grad.element_size()
+        return total
 
     @staticmethod
     def add_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], sink: dict | None) -> int:
