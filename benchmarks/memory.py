@@ -94,7 +94,7 @@ def smollm2_figures() -> None:
     from peft import LoraConfig, get_peft_model
 
     from lightning_roundpipe.adapters import make_layer_sequence
-    from lightning_roundpipe.cli.smollm2 import load_smollm2_model
+    from lightning_roundpipe.recipes.smollm2 import load_smollm2_model
     from lightning_roundpipe.runtime.engine import RoundPipeEngine
 
     model = get_peft_model(load_smollm2_model(), LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.05,
