@@ -141,6 +141,9 @@ def test_several_candidates_need_module_argument():
     (dict(module=3), TypeError, "module"),
     (dict(forward_stages=[(0, 3)]), ValueError, "backward_stages"),
     (dict(forward_stages=["a"], backward_stages=[(0, 1)]), TypeError, "forward_stages"),
+    (dict(debug_copy_delay_s=float("inf")), ValueError, "finite number of seconds"),
+    (dict(debug_copy_delay_s=-1.0), ValueError, "debug_copy_delay_s"),
+    (dict(fused_loss="yes"), TypeError, "fused_loss"),
 ])
 def test_bad_strategy_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):

@@ -232,3 +232,32 @@ def test_unfreezing_a_converted_parameter_is_an_error():
     with pytest.raises(ValueError, match="requires_grad.*HINT"):
         store.refresh()
     store.restore_frozen()
+
+
+class _ArgMax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(-1)
+
+
+class IntegerBoundaryMLP(MLPModule):
+    """A boundary that carries only an integer tensor: no gradient flows past it (layer 0 gets none)."""
+
+    def __init__(self) -> None:
+        super().__init__(scheduler=False)
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(8, 5), _ArgMax(), nn.Embedding(5, 8), nn.Linear(8, 4))
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_a_boundary_without_float_tensors_carries_no_gradient(devices):
+    ref_module, got_module = IntegerBoundaryMLP(), IntegerBoundaryMLP()
+    from _helpers import loader, trainer
+
+    trainer("auto", 1, max_steps=3).fit(ref_module, loader(VectorData(), 7))
+    trainer(lightning_roundpipe.RoundPipeStrategy(num_microbatches=3), devices, max_steps=3).fit(
+        got_module, loader(VectorData(), 7))
+    ref = dict(ref_module.named_parameters())
+    for name, param in got_module.named_parameters():
+        assert (param.grad is None) == (ref[name].grad is None), name  # layer 0: None in both
+        assert torch.allclose(param, ref[name], atol=TOL, rtol=0), name
+    assert ref["model.0.weight"].grad is None

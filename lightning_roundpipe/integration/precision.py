@@ -259,8 +259,8 @@ class RoundPipePrecision(Precision):
         if type(plugin) not in _LIGHTNING_PLUGINS:
             raise TypeError(
                 f"`RoundPipeStrategy` cannot run the precision plugin `{type(plugin).__name__}`: its device workers"
-                f" support Lightning's `Precision`, `MixedPrecision`, `HalfPrecision` and `DoublePrecision`"
-                f" (`RoundPipePrecision` wraps them). HINT: pass `Trainer(precision=...)` with one of"
+                f" run exactly Lightning's own `Precision`, `MixedPrecision`, `HalfPrecision` and `DoublePrecision`"
+                f" classes (`RoundPipePrecision` wraps them), not subclasses or other plugins. HINT: pass `Trainer(precision=...)` with one of"
                 f" {list(VALID_PRECISIONS)}, or `plugins=[lightning_roundpipe.RoundPipePrecision(...)]`."
             )
         if type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed" and _user_asked_fp16_on_cpu():

@@ -11,6 +11,7 @@ optimizer steps to :class:`~lightning_roundpipe.integration.async_step.AsyncOpti
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Sequence
 
 import torch
@@ -178,8 +179,13 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             _check_positive("microbatches_per_round", microbatches_per_round, integer=True, hint="e.g. the number of devices")
         if cpu_link_bytes_per_s is not None:
             _check_positive("cpu_link_bytes_per_s", cpu_link_bytes_per_s, integer=False, hint="25e9 models PCIe 4.0 x16 one way")
-        if not isinstance(debug_copy_delay_s, (int, float)) or isinstance(debug_copy_delay_s, bool) or debug_copy_delay_s < 0:
-            raise ValueError(f"`debug_copy_delay_s` must be a number of seconds >= 0, got {debug_copy_delay_s!r}.")
+        if (not isinstance(debug_copy_delay_s, (int, float)) or isinstance(debug_copy_delay_s, bool)
+                or not 0 <= debug_copy_delay_s < math.inf):
+            raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {debug_copy_delay_s!r}."
+                             " HINT: 0.05 makes a missing dependency show; 0 turns the delay off.")
+        if not isinstance(fused_loss, bool):
+            raise TypeError(f"`fused_loss` must be a bool, got {fused_loss!r}."
+                            " HINT: `fused_loss=False` returns logits from a training call with `labels`.")
         check_optimizer_mode(optimizer)
         if (forward_stages is None) != (backward_stages is None):
             raise ValueError("Pass both `forward_stages` and `backward_stages`, or neither (default partition).")

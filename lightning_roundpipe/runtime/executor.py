@@ -382,7 +382,9 @@ class Executor:
         spec = run.plan.stages[op.stage_index]
         m = op.microbatch_index
         last = spec.layers.stop == len(self.seq.layers)
-        incoming = state.final_grads[m] if last else state.grads.pop((spec.layers.stop, m))
+        # a boundary without float tensors (say an argmax between layers) carries no gradient:
+        # nothing is published for it, and the stage's backward has nothing to propagate
+        incoming = state.final_grads[m] if last else (state.grads.pop((spec.layers.stop, m), None) or [])
         return backend.to_device(incoming, lambda t: run.slots.__setitem__(("gin", op.stage_index, m), t))
 
     def _d2h(self, backend: Backend, op: Op, run: ProgramRun) -> int:

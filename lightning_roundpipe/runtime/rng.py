@@ -135,8 +135,8 @@ def _global_draw_message(changed: list[str], seeded: bool, layer_index: int | No
     else:
         why = (", but RoundPipe did not detect it as random (`module_uses_rng`), so it ran without a private"
                " generator and its recomputation would draw other numbers.")
-        hint = (" HINT: set `roundpipe_uses_rng = True` on the module that draws them (or use `nn.Dropout` modules),"
-                " or keep it in eval mode.")
+        hint = (" HINT: set `roundpipe_uses_rng = True` on the module that draws them (or use `nn.Dropout` modules,"
+                " which draw nothing in eval mode).")
     return (f"RoundPipe: {layer} drew random numbers from torch's global {generators} generator{why} On CPU virtual"
             f" devices the op may also be in a layer running at the same time on another device.{hint}")
 

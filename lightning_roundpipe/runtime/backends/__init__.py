@@ -34,8 +34,8 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
                                                  and not isinstance(cpu_link_bytes_per_s, bool) and cpu_link_bytes_per_s > 0):
         raise ValueError(f"`cpu_link_bytes_per_s` must be a positive number of bytes/s or None, got {cpu_link_bytes_per_s!r}."
                          " HINT: 25e9 models PCIe 4.0 x16 one way.")
-    if not (isinstance(debug_copy_delay_s, (int, float)) and debug_copy_delay_s >= 0):
-        raise ValueError(f"`debug_copy_delay_s` must be a number of seconds >= 0, got {debug_copy_delay_s!r}.")
+    if not (isinstance(debug_copy_delay_s, (int, float)) and 0 <= debug_copy_delay_s < float("inf")):
+        raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {debug_copy_delay_s!r}.")
     kind = devices[0].type if devices else "cpu"
     if kind == "cpu":
         return [CpuBackend(i, cpu_link_bytes_per_s, debug_copy_delay_s) for i in range(len(devices))]
