@@ -87,7 +87,21 @@ def _granite_norm(norm: nn.Module, config: Any) -> nn.Module:
     return ScaledNorm(norm, float(config.logits_scaling))
 
 
+#: config attributes that mark a mixture-of-experts model (the generic entry cannot replay its routing)
+_EXPERT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
 def _generic_check(model: nn.Module) -> None:
+    cfg = model.config
+    experts = [a for a in _EXPERT_ATTRS if isinstance(getattr(cfg, a, None), int) and getattr(cfg, a) > 0]
+    routers = sorted({type(m).__name__ for m in model.model.layers.modules() if type(m).__name__.endswith("Router")})
+    if experts or routers:
+        raise ValueError(
+            f"`{type(model).__name__}` is a mixture-of-experts model without a RoundPipe entry"
+            f" ({', '.join([f'`config.{a}`' for a in experts] + [f'`{r}`' for r in routers])}): the generic entry cannot"
+            " replay its routing in recomputation nor add its load-balancing loss. Supported MoE model types:"
+            f" {sorted(k for k, v in FAMILIES.items() if v.get('moe') is not None)}. HINT: add a `RouterSpec` to"
+            " `lightning_roundpipe.adapters.hf_moe.ROUTERS` and an entry with `moe` to `FAMILIES`.")
     warnings.warn(f"RoundPipe pipelines `{type(model).__name__}` (model type `{model.config.model_type}`) through its"
                   " generic decoder-only entry (embed_tokens -> layers -> norm -> lm_head, no other computation in the"
                   " model's forward); this family is not verified. HINT: compare a step with the default strategy, or"

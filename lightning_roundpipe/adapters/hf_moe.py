@@ -118,7 +118,7 @@ def _router_hook(spec: RouterSpec, num_experts: int, module: nn.Module, args: tu
         scope.store.record(key, indices, stats)
         return None
     if scope.replay:
-        indices = scope.store.replay(key, logits.device)
+        indices = scope.store.replay(key, logits.device, scope.wait)
         scores = spec.scores(module, logits, indices)
     if aux is not None:  # this (layer, microbatch)'s share of the load-balancing loss, for its gradient
         counts = scope.store.totals(scope.wait)["counts"].to(logits.device)

@@ -68,7 +68,7 @@ class RoutingStore:
         self.num_microbatches = num_microbatches
         self._indices: dict[tuple[int, int, int], tuple[torch.Tensor, Any]] = {}
         self._stats: dict[tuple[int, int, int], dict[str, tuple[torch.Tensor, Any]]] = {}
-        self._passed: set[tuple[int, int]] = set()
+        self._passed: dict[tuple[int, int], threading.Event] = {}
         self._lock = threading.Lock()
         self._totals: dict[str, torch.Tensor] | None = None
         self.complete = threading.Event()
@@ -85,21 +85,34 @@ class RoutingStore:
             self._indices[key] = host
             self._stats[key] = host_stats
 
+    def _passed_event(self, layer_index: int, microbatch_index: int) -> threading.Event:
+        with self._lock:
+            return self._passed.setdefault((layer_index, microbatch_index), threading.Event())
+
     def mark_passed(self, layer_index: int, microbatch_index: int) -> None:
         """The forward of ``layer_index`` for one microbatch is done (its routing is recorded)."""
+        event = self._passed_event(layer_index, microbatch_index)
+        event.set()
         with self._lock:
-            self._passed.add((layer_index, microbatch_index))
-            done = len(self._passed) >= len(self.routing_layers) * self.num_microbatches
+            done = sum(e.is_set() for e in self._passed.values()) >= len(self.routing_layers) * self.num_microbatches
         if done:
             self.complete.set()
 
-    def replay(self, key: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    def replay(self, key: tuple[int, int, int], device: torch.device,
+               wait: Callable[[threading.Event], None] | None = None) -> torch.Tensor:
         """The indices the forward chose for ``key``, on ``device`` (removed from the store: every
         (layer, microbatch) is recomputed once).
+
+        A recomputation needs only its stage input, so it may start while the forward of the same
+        layer and microbatch still runs on another device: ``wait`` (called with that forward's
+        event) blocks until it has recorded its routing.
 
         Raises:
             RuntimeError: when the forward recorded no routing for ``key``.
         """
+        event = self._passed_event(key[0], key[1])
+        if not event.is_set() and wait is not None:
+            wait(event)
         with self._lock:
             got = self._indices.pop(key, None)
         if got is None:
