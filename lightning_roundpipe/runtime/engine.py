@@ -134,6 +134,7 @@ class RoundPipeEngine:
         self._lock = threading.Lock()
         self._original_forward = None
         self._warned_small_batch = False
+        self._warned_routing_fused = False
         self.stage_memory_bytes = stage_memory_bytes
         self.fused_loss = fused_loss
         self.loss_seed = loss_seed
@@ -346,7 +347,7 @@ class RoundPipeEngine:
         tail = next(s for s in self.fused_stages if s.fused).layers
         several_rounds = self.microbatches_per_round is not None and self.microbatches_per_round < m
         if several_rounds or any(i in routing.layers for i in tail):
-            if not getattr(self, "_warned_routing_fused", False):
+            if not self._warned_routing_fused:
                 self._warned_routing_fused = True
                 log.info("RoundPipe: the load-balancing loss needs the whole batch's routing before recomputation;"
                          " %s, so this model's steps take the transparent path.",

@@ -43,13 +43,15 @@ def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """A host copy of ``tensor`` that a later in-place op cannot reach; on CUDA a non-blocking copy
     into pinned memory and the event after which it is valid."""
     tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.clone(), None
     if tensor.device.type == "cuda":
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return host, event
-    return tensor.clone(), None
+    return tensor.to("cpu"), None  # other accelerators: a blocking copy
 
 
 class RoutingStore:
@@ -69,6 +71,7 @@ class RoutingStore:
         self._indices: dict[tuple[int, int, int], tuple[torch.Tensor, Any]] = {}
         self._stats: dict[tuple[int, int, int], dict[str, tuple[torch.Tensor, Any]]] = {}
         self._passed: dict[tuple[int, int], threading.Event] = {}
+        self._num_passed = 0
         self._lock = threading.Lock()
         self._totals: dict[str, torch.Tensor] | None = None
         self.complete = threading.Event()
@@ -77,9 +80,10 @@ class RoutingStore:
             self.complete.set()
 
     def record(self, key: tuple[int, int, int], indices: torch.Tensor, stats: dict[str, torch.Tensor]) -> None:
-        """Keep the selected expert indices (any int dtype and shape) and ``stats`` (small float
-        tensors, summed over the batch by :meth:`totals`) of one router call."""
-        host = _to_host(indices)
+        """Keep the selected expert indices (an int tensor of any shape; kept as int32, replayed as
+        int64) and ``stats`` (small float tensors, summed over the batch by :meth:`totals`) of one
+        router call."""
+        host = _to_host(indices.to(torch.int32))
         host_stats = {name: _to_host(t) for name, t in stats.items()}
         with self._lock:
             self._indices[key] = host
@@ -92,9 +96,11 @@ class RoutingStore:
     def mark_passed(self, layer_index: int, microbatch_index: int) -> None:
         """The forward of ``layer_index`` for one microbatch is done (its routing is recorded)."""
         event = self._passed_event(layer_index, microbatch_index)
-        event.set()
         with self._lock:
-            done = sum(e.is_set() for e in self._passed.values()) >= len(self.routing_layers) * self.num_microbatches
+            first = not event.is_set()
+            event.set()
+            self._num_passed += first
+            done = self._num_passed >= len(self.routing_layers) * self.num_microbatches
         if done:
             self.complete.set()
 
@@ -123,7 +129,7 @@ class RoutingStore:
         host, event = got
         if event is not None:
             event.synchronize()
-        return host.to(device, non_blocking=True)
+        return host.to(device, non_blocking=True).to(torch.int64)
 
     def totals(self, wait: Callable[[threading.Event], None] | None = None) -> dict[str, torch.Tensor]:
         """Every statistic summed over all recorded (layer, microbatch, call) keys, fp32 on the host.
