@@ -114,6 +114,10 @@ def test_unsupported_models_get_a_clear_error():
                                                      num_attention_heads=2, num_key_value_heads=1, num_local_experts=4))
     with pytest.raises(ValueError, match=r"mixture-of-experts model without a RoundPipe entry.*gpt_oss.*qwen3_moe"):
         make_layer_sequence(mixtral)
+    cohere = tf.CohereForCausalLM(tf.CohereConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                                  num_attention_heads=2, num_key_value_heads=1, logit_scale=0.5))
+    with pytest.raises(ValueError, match=r"config\.logit_scale"):  # the generic entry would leave the scaling out
+        make_layer_sequence(cohere)
     gemma3 = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                                                       use_bidirectional_attention=True))

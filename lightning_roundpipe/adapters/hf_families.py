@@ -21,8 +21,9 @@ Each entry names only what differs from the standard layout (see
   (:mod:`~lightning_roundpipe.adapters.hf_moe`).
 - **generic**: any other ``...ForCausalLM`` with ``model.embed_tokens``, ``model.layers``,
   ``model.norm``, ``model.rotary_emb`` and ``lm_head``, run as a Llama-like model: correct when its
-  forward does nothing beyond that layout (a warning says it is not verified); a model lacking a
-  piece gets an error naming it.
+  forward does nothing beyond that layout (a warning says it is not verified); refused with an
+  error naming the attribute when the config sets a known extra computation (``logit_scale``,
+  ``embedding_multiplier``...) or experts; a model lacking a piece gets an error naming it.
 """
 
 from __future__ import annotations
@@ -91,8 +92,21 @@ def _granite_norm(norm: nn.Module, config: Any) -> nn.Module:
 _EXPERT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
+#: config attributes of computations some families' forward does outside the standard layout
+#: (logit and embedding scaling, soft-capping): the generic entry would silently leave them out
+_FORWARD_EXTRAS = ("logit_scale", "logits_scaling", "embedding_multiplier", "final_logit_softcapping", "scale_emb",
+                   "dim_model_base", "lm_head_multiplier", "embedding_scale", "logits_scale")
+
+
 def _generic_check(model: nn.Module) -> None:
     cfg = model.config
+    extras = [a for a in _FORWARD_EXTRAS if getattr(cfg, a, None) is not None]
+    if extras:
+        raise ValueError(
+            f"`{type(model).__name__}` (model type `{cfg.model_type}`) has no RoundPipe entry, and its config sets"
+            f" {', '.join(f'`config.{a}`' for a in extras)}, a computation outside the standard decoder-only layout"
+            " that the generic entry would leave out. HINT: add an entry to `lightning_roundpipe.adapters.FAMILIES`"
+            " (see `adapters/hf_families.py`: Granite's and Gemma's show the pieces), or train with the default strategy.")
     experts = [a for a in _EXPERT_ATTRS if isinstance(getattr(cfg, a, None), int) and getattr(cfg, a) > 0]
     routers = sorted({type(m).__name__ for m in model.model.layers.modules() if type(m).__name__.endswith("Router")})
     if experts or routers:
