@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.adapters.base import RoutingSpec
+from lightning_roundpipe.adapters.hf_causal_lm import HFDecoderLayer
 from lightning_roundpipe.runtime import routing
 
 
@@ -172,9 +173,6 @@ class MoeParts:
     grad_keys = ("hidden_states", "router_aux")
 
     def __init__(self, model: nn.Module, spec: RouterSpec) -> None:
-        from lightning_roundpipe.adapters.hf_causal_lm import HFDecoderLayer
-
-        self._dense = HFDecoderLayer
         self.config = model.config
         self.spec = spec
         self.num_experts = int(getattr(self.config, spec.num_experts_attr))
@@ -184,7 +182,7 @@ class MoeParts:
 
     def decoder(self, layer: nn.Module, layer_type: str, config: Any) -> nn.Module:
         index, self._index = self._index, self._index + 1
-        dense = self._dense(layer, layer_type)
+        dense = HFDecoderLayer(layer, layer_type)
         router = _router_of(layer, self.spec)
         if router is None:
             return dense
