@@ -37,6 +37,9 @@ class LayerSequence:
         additive_scalars: 0-dim outputs are per-microbatch contributions that sum to the batch's
             value (the HF loss normalised by the whole batch's label tokens). Otherwise every output
             must carry the batch on dim 0, and a 0-dim output is an error.
+        routing: mixture-of-experts layers: which layers route tokens (their routing is recorded
+            in the forward and replayed in recomputation) and how the whole batch's routing
+            enters the outputs (:class:`RoutingSpec`); ``None`` for dense models.
     """
 
     target: nn.Module
@@ -49,6 +52,7 @@ class LayerSequence:
     loss_key: str | None = None
     has_loss: Callable[[dict], bool] | None = None
     additive_scalars: bool = False
+    routing: "RoutingSpec | None" = None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -61,6 +65,28 @@ class LayerSequence:
                 if id(p) not in seen:
                     seen.add(id(p))
                     yield p
+
+
+@dataclass
+class RoutingSpec:
+    """Routing layers of a mixture-of-experts :class:`LayerSequence` (issue 10 item 1).
+
+    Attributes:
+        layers: indices of the layers whose calls run inside
+            :func:`~lightning_roundpipe.runtime.routing.routing_scope` (record in the forward,
+            replay in recomputation).
+        needs_totals: ``needs_totals(batch_carry) -> bool``: whether this call's recomputation
+            reads whole-batch routing statistics (the load-balancing loss is on); the engine then
+            starts no recomputation of a routing layer before every microbatch's forward passed
+            every routing layer.
+        outputs: ``outputs(store, batch_carry) -> {key: 0-dim tensor}``: values added to the merged
+            outputs after the forward (the load-balancing loss from the whole batch's statistics;
+            its gradient the recomputation adds), or ``None``.
+    """
+
+    layers: frozenset[int]
+    needs_totals: Callable[[dict], bool]
+    outputs: Callable[[Any, dict], dict] | None = None
 
 
 def module_uses_rng(module: nn.Module) -> bool:

@@ -1,4 +1,4 @@
-"""Hugging Face decoder-only causal LMs (Llama family, Qwen2, Qwen3, Mistral), also under PEFT.
+"""Hugging Face decoder-only causal LMs (the families of ``FAMILIES``), also under PEFT.
 
 Layer sequence (issue 2, DESIGN.md section 2):
 
@@ -10,7 +10,12 @@ Layer sequence (issue 2, DESIGN.md section 2):
   with unequal microbatches and padding.
 
 The family table is data: a new family whose model class follows the same
-``model.embed_tokens / model.layers / model.norm / lm_head`` layout is one entry in ``FAMILIES``.
+``model.embed_tokens / model.layers / model.norm / lm_head`` layout is one entry in ``FAMILIES``
+(:mod:`~lightning_roundpipe.adapters.hf_families` adds Gemma 2/3, Phi-3, OLMo 2, Granite, the
+mixture-of-experts families and the generic entry). An entry's optional keys replace one piece:
+``prefix(body, config, mask_types)``, ``decoder(layer, layer_type, config)``, ``tail_kwargs(config)``
+(extra :class:`HFTail` arguments), ``tail_norm(norm, config)`` (the module the tail normalises with), ``check(model)`` (raises for configurations it cannot pipeline),
+``moe(model)`` (mixture-of-experts parts, :mod:`~lightning_roundpipe.adapters.hf_moe`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from torch import nn
 from lightning_roundpipe.adapters.base import LayerSequence
 
 #: ``config.model_type`` -> family notes. Every entry uses the standard layout
-#: ``<causal lm>.model.{embed_tokens, rotary_emb, layers, norm}`` and ``<causal lm>.lm_head``.
+#: ``<causal lm>.model.{embed_tokens, rotary_emb, layers, norm}`` and ``<causal lm>.lm_head``;
+#: ``hf_families`` adds more entries on import (the package imports it).
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"sliding_window_attr": None},
     "qwen2": {"sliding_window_attr": None},
@@ -49,15 +55,36 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model
 
 
+def missing_pieces(model: nn.Module) -> list[str]:
+    """The pieces of the standard decoder-only layout ``model`` (PEFT-unwrapped) lacks:
+    ``lm_head``, ``model.embed_tokens``, ``model.layers`` (an ``nn.ModuleList``), ``model.norm``,
+    ``model.rotary_emb``; empty when it has them all."""
+    inner = unwrap_peft(model)
+    body = getattr(inner, "model", None)
+    missing = [] if isinstance(getattr(inner, "lm_head", None), nn.Module) else ["lm_head"]
+    for name, kind in (("embed_tokens", nn.Module), ("layers", nn.ModuleList), ("norm", nn.Module),
+                       ("rotary_emb", nn.Module)):
+        if not isinstance(getattr(body, name, None), kind):
+            missing.append(f"model.{name}")
+    return missing
+
+
+def family_of(model: nn.Module) -> str | None:
+    """The ``FAMILIES`` entry of ``model`` (PEFT-unwrapped): its ``config.model_type`` when listed,
+    ``"generic"`` for another Hugging Face causal LM with the standard layout, else ``None``."""
+    inner = unwrap_peft(model)
+    model_type = getattr(getattr(inner, "config", None), "model_type", None)
+    if not isinstance(model_type, str) or missing_pieces(inner):
+        return None
+    if model_type in FAMILIES:
+        return model_type
+    is_lm = type(inner).__name__.endswith("ForCausalLM") and callable(getattr(inner, "loss_function", None))
+    return "generic" if is_lm and "generic" in FAMILIES else None
+
+
 def is_hf_causal_lm(model: nn.Module) -> bool:
     """Whether ``model`` (or the model inside its PEFT wrappers) is a supported HF causal LM."""
-    inner = unwrap_peft(model)
-    cfg = getattr(inner, "config", None)
-    return (
-        getattr(cfg, "model_type", None) in FAMILIES
-        and isinstance(getattr(inner, "lm_head", None), nn.Module)
-        and isinstance(getattr(getattr(inner, "model", None), "layers", None), nn.ModuleList)
-    )
+    return family_of(model) is not None
 
 
 def _mask_call(fn, config, inputs_embeds, attention_mask, position_ids):
@@ -90,6 +117,7 @@ class HFPrefix(nn.Module):
         if pos is None:
             pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         masks = {}
+        h = self.scale_embeddings(h)
         if "full_attention" in self.mask_types:
             masks["full_attention"] = _mask_call(masking_utils.create_causal_mask, self.config, h, carry.get("attention_mask"), pos)
         if "sliding_attention" in self.mask_types:
@@ -97,8 +125,16 @@ class HFPrefix(nn.Module):
                 masking_utils.create_sliding_window_causal_mask, self.config, h, carry.get("attention_mask"), pos
             )
         out = {k: v for k, v in carry.items() if k not in ("input_ids", "attention_mask")}
-        out.update(hidden_states=h, position_ids=pos, position_embeddings=self.rotary_emb(h, pos), masks=masks)
+        out.update(hidden_states=h, position_ids=pos, position_embeddings=self.rotary(h, pos), masks=masks)
         return out
+
+    def scale_embeddings(self, h: torch.Tensor) -> torch.Tensor:
+        """Families that scale the embeddings outside the embedding module override this."""
+        return h
+
+    def rotary(self, h: torch.Tensor, pos: torch.Tensor) -> Any:
+        """``(cos, sin)``, or a dict by layer type for families with one rotary table per type."""
+        return self.rotary_emb(h, pos)
 
 
 class HFDecoderLayer(nn.Module):
@@ -110,11 +146,12 @@ class HFDecoderLayer(nn.Module):
         self.mask_type = mask_type
 
     def forward(self, carry: dict) -> dict:
+        rotary = carry["position_embeddings"]
         h = self.layer(
             carry["hidden_states"],
             attention_mask=carry["masks"].get(self.mask_type),
             position_ids=carry["position_ids"],
-            position_embeddings=carry["position_embeddings"],
+            position_embeddings=rotary[self.mask_type] if isinstance(rotary, dict) else rotary,
             use_cache=False,
         )
         if isinstance(h, tuple):  # transformers < 5 returns a tuple
@@ -123,17 +160,25 @@ class HFDecoderLayer(nn.Module):
 
 
 class HFTail(nn.Module):
-    """Final norm, LM head and (with labels) the loss normalised over the whole batch's label tokens."""
+    """Final norm, LM head and (with labels) the loss normalised over the whole batch's label tokens.
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, loss_function: Any, vocab_size: int) -> None:
+    ``logit_softcap`` (Gemma 2's ``final_logit_softcapping``): logits become
+    ``softcap * tanh(logits / softcap)`` right after the LM head; ``None``: unchanged.
+    """
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, loss_function: Any, vocab_size: int,
+                 logit_softcap: float | None = None) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
         self._loss_function = loss_function
         self.vocab_size = vocab_size
+        self.logit_softcap = logit_softcap
 
     def forward(self, carry: dict) -> dict:
         logits = self.lm_head(self.norm(carry["hidden_states"]))
+        if self.logit_softcap is not None:
+            logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
         out = {"logits": logits}
         labels = carry.get("labels")
         if labels is not None:
@@ -157,14 +202,25 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
     -100 for ignored positions), and returns a ``CausalLMOutputWithPast`` with ``logits``
     (``(batch, seq, vocab)``) and, with labels, the scalar ``loss``.
 
+    Mixture-of-experts families also accept ``output_router_logits`` and return a
+    ``MoeCausalLMOutputWithPast`` (``aux_loss``: the load-balancing loss when it is on).
+
     Raises:
-        ValueError: when the model is not a supported family (see ``FAMILIES``).
+        ValueError: when the model is not a supported family (see ``FAMILIES``), naming the pieces
+            of the standard layout it lacks; a family's ``check`` for configurations it cannot pipeline.
     """
     inner = unwrap_peft(model)
-    if not is_hf_causal_lm(inner):
+    family = family_of(inner)
+    if family is None:
+        missing = missing_pieces(inner)
         raise ValueError(
-            f"`{type(inner).__name__}` is not a supported Hugging Face causal LM (model types {sorted(FAMILIES)})."
+            f"`{type(inner).__name__}` is not a supported Hugging Face causal LM (model types {sorted(FAMILIES)},"
+            " or any decoder-only `...ForCausalLM` with the layout `model.embed_tokens`, `model.layers`, `model.norm`,"
+            " `model.rotary_emb`, `lm_head`)" + (f": it has no {', '.join(f'`{m}`' for m in missing)}." if missing else ".")
         )
+    entry = FAMILIES[family]
+    if entry.get("check") is not None:
+        entry["check"](inner)
     if getattr(inner, "is_activation_checkpointing", None) or (
         not hasattr(inner, "is_activation_checkpointing") and getattr(inner, "is_gradient_checkpointing", False)
     ):
@@ -178,14 +234,24 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
     n = cfg.num_hidden_layers
     layer_types = list(getattr(cfg, "layer_types", None) or [])
     if not layer_types:
-        sw_attr = FAMILIES[cfg.model_type]["sliding_window_attr"]
+        sw_attr = entry.get("sliding_window_attr")
         sliding = sw_attr is not None and getattr(cfg, sw_attr, None) is not None
         layer_types = ["sliding_attention" if sliding else "full_attention"] * n
-    decoder = [HFDecoderLayer(body.layers[i], layer_types[i]) for i in range(n)]
-    layers: list[nn.Module] = [HFPrefix(body.embed_tokens, body.rotary_emb, cfg, set(layer_types))]
+    moe = entry["moe"](inner) if entry.get("moe") is not None else None
+    make_decoder = entry.get("decoder") or (lambda layer, layer_type, config: HFDecoderLayer(layer, layer_type))
+    if moe is not None:
+        make_decoder = moe.decoder
+    decoder = [make_decoder(body.layers[i], layer_types[i], cfg) for i in range(n)]
+    make_prefix = entry.get("prefix") or (lambda body_, config, mask_types: HFPrefix(body_.embed_tokens, body_.rotary_emb,
+                                                                                     config, mask_types))
+    layers: list[nn.Module] = [make_prefix(body, cfg, set(layer_types))]
     layers += decoder
-    layers.append(HFTail(body.norm, inner.lm_head, inner.loss_function, cfg.vocab_size))
+    tail_kwargs = entry["tail_kwargs"](cfg) if entry.get("tail_kwargs") is not None else {}
+    norm = entry["tail_norm"](body.norm, cfg) if entry.get("tail_norm") is not None else body.norm
+    tail = HFTail(norm, inner.lm_head, inner.loss_function, cfg.vocab_size, **tail_kwargs)
+    layers.append(moe.tail(tail) if moe is not None else tail)
     names = ["prefix(embed,rotary,mask)"] + [f"layers.{i}" for i in range(n)] + ["tail(norm,lm_head,loss)"]
+    supported = _SUPPORTED + (moe.kwargs if moe is not None else ())
 
     def prepare(args: tuple, kwargs: dict) -> dict:
         if args:
@@ -193,12 +259,12 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
             if len(args) > 1:
                 raise TypeError("The pipelined causal LM takes `input_ids` as its only positional argument; pass the rest by name.")
         # `None` is "not given" for every argument (PEFT passes `inputs_embeds=None` and friends)
-        unsupported = sorted(k for k, v in kwargs.items() if k not in _SUPPORTED and v is not None
+        unsupported = sorted(k for k, v in kwargs.items() if k not in supported and v is not None
                              and not (k in _NOOP_KWARGS and _is_noop(v, _NOOP_KWARGS[k])))
         if unsupported:
             raise ValueError(
                 f"The pipelined causal LM does not support {', '.join(f'`{k}={kwargs[k]!r}`' for k in unsupported)}."
-                f" Supported: {', '.join(f'`{k}`' for k in _SUPPORTED)}, and"
+                f" Supported: {', '.join(f'`{k}`' for k in supported)}, and"
                 f" {', '.join(f'`{k}`' for k in _NOOP_KWARGS)} at their defaults. HINT: generation with a KV cache,"
                 " `inputs_embeds`, hidden states and attentions are available outside the RoundPipe strategy"
                 " (e.g. in a plain `trainer.predict` with the default strategy)."
@@ -215,9 +281,13 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
             # label tokens of the whole batch after the causal shift (as transformers' ForCausalLMLoss counts them)
             n = kwargs.get("num_items_in_batch")
             carry["num_items_in_batch"] = (labels[..., 1:] != -100).sum() if n is None else torch.as_tensor(n)
+        if moe is not None:
+            moe.prepare(carry, kwargs)
         return carry
 
     def finalize(merged: dict) -> Any:
+        if moe is not None:
+            return moe.finalize(merged)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         return CausalLMOutputWithPast(loss=merged.get("loss"), logits=merged.get("logits"))
@@ -226,11 +296,12 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         target=inner,
         layers=layers,
         layer_names=names,
-        grad_keys=("hidden_states",),
+        grad_keys=moe.grad_keys if moe is not None else ("hidden_states",),
         prepare=prepare,
         finalize=finalize,
         family=cfg.model_type,
         loss_key="loss",
         has_loss=lambda carry: carry.get("labels") is not None,
         additive_scalars=True,
+        routing=moe.routing_spec(layer_offset=1) if moe is not None else None,
     )

@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
-from lightning_roundpipe.adapters import is_supported, make_layer_sequence
+from lightning_roundpipe.adapters import FAMILIES, is_supported, make_layer_sequence
 from lightning_roundpipe.integration.async_step import AsyncOptimizer, check_optimizer_mode
 from lightning_roundpipe.integration.precision import RoundPipePrecision
 from lightning_roundpipe.partition.types import PartitionPlan
@@ -313,7 +313,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             children = {n: type(m).__name__ for n, m in lm.named_children()}
             raise ValueError(
                 f"RoundPipe found no module to pipeline in `{type(lm).__name__}`: none of its submodules ({children}) is a"
-                " supported Hugging Face causal LM (llama, mistral, qwen2, qwen3; also under PEFT) or an `nn.Sequential`."
+                f" supported Hugging Face causal LM ({', '.join(k for k in sorted(FAMILIES) if k != 'generic')}, or another"
+                " with the standard decoder-only layout; also under PEFT) or an `nn.Sequential`."
                 " HINT: express the model as an `nn.Sequential` whose inputs and outputs carry the batch on dim 0 and"
                 " point `RoundPipeStrategy(module='<attribute>')` at it, or use a supported model family."
             )

@@ -25,6 +25,7 @@ from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_la
 from lightning_roundpipe.runtime.memory import HostMemory, host_memory
 from lightning_roundpipe.runtime.microbatch import merge_input_grads, merge_leaves, split_grads, split_microbatches
 from lightning_roundpipe.runtime.profiler import LayerProfiler
+from lightning_roundpipe.runtime.routing import RoutingStore
 from lightning_roundpipe.runtime.store import WeightStore
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages, default_stage_ranges
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES, lower
@@ -133,6 +134,7 @@ class RoundPipeEngine:
         self._lock = threading.Lock()
         self._original_forward = None
         self._warned_small_batch = False
+        self._warned_routing_fused = False
         self.stage_memory_bytes = stage_memory_bytes
         self.fused_loss = fused_loss
         self.loss_seed = loss_seed
@@ -267,12 +269,15 @@ class RoundPipeEngine:
         state.input_grad_positions = grad_pos
         if state.rng_layers:
             state.base_seed = int(torch.randint(0, 2**62, (1,)).item())
+        if seq.routing is not None:
+            state.routing = RoutingStore(seq.routing.layers, m)
         if training:
             state.keep = frozenset(r.start for r in self.partition.backward_stages)
         for i, mb in enumerate(mbs):
             state.acts[(0, i)] = mb
-        if training and self.fused_loss and seq.loss_key and seq.has_loss and seq.has_loss(carry):
-            return self._fused_forward(state, m, flat, sizes, grad_inputs)
+        if (training and self.fused_loss and seq.loss_key and seq.has_loss and seq.has_loss(carry)
+                and self._fused_allows_routing(carry, m)):
+            return self._fused_forward(state, m, flat, sizes, grad_inputs, carry)
         cursor = self._advance(n_fwd)
         if training:
             self._last_call = (m, False)
@@ -282,6 +287,12 @@ class RoundPipeEngine:
         if not seq.additive_scalars:
             _check_batch_dim([leaves for leaves, _ in finals], sizes, seq.family)
         merged = merge_leaves([leaves for leaves, _ in finals])
+        extra = self._routing_outputs(state, carry)
+        if extra:
+            tree = pytree.tree_unflatten(merged, spec)
+            for key, value in extra.items():
+                tree[key] = tree[key] + value if tree.get(key) is not None else value
+            merged, spec = pytree.tree_flatten(tree)
         if training:
             idx = [i for i, x in enumerate(merged) if isinstance(x, torch.Tensor)]
 
@@ -315,8 +326,37 @@ class RoundPipeEngine:
         per_mb = [state.grads.pop((0, i), None) or [None] * len(state.input_grad_positions) for i in range(len(sizes))]
         return merge_input_grads([batch_leaves[i] for i in state.input_grad_positions], per_mb, sizes)
 
+    def _routing_outputs(self, state: PipelineState, batch_carry: dict) -> dict:
+        """Values the whole batch's routing adds to the merged outputs (the load-balancing loss)."""
+        routing = self.seq.routing
+        if routing is None or routing.outputs is None:
+            return {}
+        return routing.outputs(state.routing, batch_carry)
+
+    def _fused_allows_routing(self, batch_carry: dict, m: int) -> bool:
+        """Whether the fused path can run this call exactly: when the recomputation reads the whole
+        batch's routing statistics (the load-balancing loss), every microbatch's forward must pass
+        every routing layer before a backward stage recomputes one. In one round of the fused plan
+        every device runs its forward stages before its backward stages, so a recomputation waiting
+        for them cannot deadlock; with several rounds (``microbatches_per_round``), or a routing
+        layer inside the fused tail (its forward and backward are one op), it could: such calls
+        take the transparent path, whose backward starts after the whole forward."""
+        routing = self.seq.routing
+        if routing is None or not routing.needs_totals(batch_carry):
+            return True
+        tail = next(s for s in self.fused_stages if s.fused).layers
+        several_rounds = self.microbatches_per_round is not None and self.microbatches_per_round < m
+        if several_rounds or any(i in routing.layers for i in tail):
+            if not self._warned_routing_fused:
+                self._warned_routing_fused = True
+                log.info("RoundPipe: the load-balancing loss needs the whole batch's routing before recomputation;"
+                         " %s, so this model's steps take the transparent path.",
+                         "the plan runs several rounds" if several_rounds else "the fused tail holds a routing layer")
+            return False
+        return True
+
     def _fused_forward(self, state: PipelineState, m: int, batch_leaves: list, sizes: list[int],
-                       grad_inputs: list) -> Any:
+                       grad_inputs: list, batch_carry: dict | None = None) -> Any:
         """The fused path: the whole step runs now; the returned loss's backward scales the buffers.
 
         Gradients land in CPU buffers (``state.grad_sink``), computed with the backward seeded by
@@ -336,6 +376,9 @@ class RoundPipeEngine:
         self._run(self.program(m, self._advance(len(self.fused_stages)), fused=True), state)
         key = self.seq.loss_key
         loss = merge_leaves([[state.final.pop(i)[key]] for i in range(m)])[0]
+        extra = self._routing_outputs(state, batch_carry) if batch_carry is not None else {}
+        if key in extra:
+            loss = loss + extra.pop(key)
         sink = state.grad_sink
         input_grads = self._input_grads(state, batch_leaves, sizes)
 
@@ -360,7 +403,7 @@ class RoundPipeEngine:
             return [None if x is None else scaled(x, g) for x in input_grads]
 
         (loss,) = attach([loss], run_backward, grad_inputs)
-        return self.seq.finalize({key: loss})
+        return self.seq.finalize({**extra, key: loss})
 
     def _run(self, program: StreamProgram, state: PipelineState) -> None:
         timeline = self.executor.run(program, state)

@@ -45,6 +45,7 @@ from lightning_roundpipe.runtime.devices import StreamThread
 from lightning_roundpipe.runtime.errors import ErrorNotes
 from lightning_roundpipe.runtime.replica import LayerReplica
 from lightning_roundpipe.runtime.rng import layer_seed, rng_layers, rng_scope  # noqa: F401 (rng_layers: the engine's)
+from lightning_roundpipe.runtime.routing import RoutingStore, routing_scope
 from lightning_roundpipe.runtime.store import WeightStore
 from lightning_roundpipe.schedule.lower import plan_dispatches
 from lightning_roundpipe.schedule.program import STREAMS, Op, OpKind, StreamProgram
@@ -77,6 +78,8 @@ class PipelineState:
         loss_seed: fused path: the gradient the fused tail seeds its loss with (1.0 unless scaled).
         input_grad_positions: flat (pytree) positions of the batch inputs that need a gradient;
             their per-microbatch gradients go to ``grads[(0, microbatch_index)]``.
+        routing: mixture-of-experts: the routing recorded by the forward and replayed by the
+            recomputation (:mod:`~lightning_roundpipe.runtime.routing`); ``None`` for dense models.
     """
 
     num_microbatches: int
@@ -91,6 +94,7 @@ class PipelineState:
     loss_seed: float = 1.0
     backward_done: bool = False
     input_grad_positions: tuple = ()
+    routing: RoutingStore | None = None
 
 
 class ProgramRun:
@@ -313,14 +317,16 @@ class Executor:
 
     def _call_layers(self, backend: Backend, run: ProgramRun, stage_key: tuple[int, int], layers: range, carry: Any,
                      mb: int, on_boundary: Callable[[int, Any], None] | None = None,
-                     profile_kind: str | None = None) -> tuple[Any, dict[int, float]]:
+                     profile_kind: str | None = None, replay: bool = False) -> tuple[Any, dict[int, float]]:
         """Run ``layers`` on ``carry`` with this device's replicas; returns the output and, when
-        profiling, seconds per layer."""
+        profiling, seconds per layer. Routing layers run inside a routing scope: recorded, or
+        with ``replay`` (recomputation) replayed."""
         state = run.state
         resident = run.resident[stage_key]
         replicas = self.replicas[backend.device_index]
         prof = self.profiler if (self.profiler is not None and self.profiler.enabled and profile_kind) else None
         times: dict[int, float] = {}
+        routing = self.seq.routing.layers if self.seq.routing is not None else frozenset()
         for li in layers:
             if on_boundary is not None and li != layers.start and li in state.keep:
                 on_boundary(li, carry)
@@ -330,7 +336,8 @@ class Executor:
                 prof.record_activation(li, tree_nbytes(carry))
                 backend.compute_sync()
                 started = time.perf_counter()
-            with rng_scope(seed, backend.device, li):
+            store = state.routing if li in routing else None
+            with rng_scope(seed, backend.device, li), routing_scope(store, li, mb, replay, backend.device, run.wait):
                 carry = module(carry)
             if prof is not None:
                 backend.compute_sync()
@@ -478,7 +485,7 @@ class Executor:
         carry, leaves = self._leaves(run.slots.pop(("in", op.stage_index, m)), spec.layers.start, run)
         with torch.enable_grad(), self._autocast(backend):
             out, layer_s = self._call_layers(backend, run, self._stage_key(run, op), spec.layers, carry, m,
-                                             profile_kind="recompute")
+                                             profile_kind="recompute", replay=True)
         run.slots[("graph", op.stage_index, m)] = (out, leaves, layer_s)
         return 0
 
