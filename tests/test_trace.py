@@ -295,7 +295,8 @@ def test_simulate_cli_writes_the_same_trace_format(tmp_path):
         code = main(["simulate", "--layer-timings", str(timings), "--devices", "3", "--microbatches", "4",
                      "--format", "csv", "--schedules", "roundpipe_one_iteration", "--trace", str(out_path)])
     assert code == 0
-    table = {r[0]: float(r[1]) for r in csv.reader(l for l in buf.getvalue().splitlines() if l and l[0] != "#") if r[0] != "schedule"}
+    lines = [line for line in buf.getvalue().splitlines() if line and not line.startswith("#")]
+    table = {row[0]: float(row[1]) for row in csv.reader(lines[1:])}  # schedule -> idle % of the model
     doc = json.loads(out_path.read_text())
     rows = check_trace(doc, num_devices=3)
     assert doc["metadata"]["schedule"] == "roundpipe_one_iteration" and doc["metadata"]["devices"] == 3
