@@ -322,3 +322,22 @@ def test_trace_writer_imports_neither_torch_nor_lightning():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_tracer_schedule_first_batch_after_profiling_then_every_n():
+    from types import SimpleNamespace
+
+    from lightning_roundpipe.integration.trace import StepTracer
+
+    engine = SimpleNamespace(measured_profiles=None, profile_steps=3)
+    tracer = StepTracer(every_n_steps=4)
+    due = []
+    for batch in range(12):
+        if batch == 3:
+            engine.measured_profiles = ["profiles"]  # end_step() of batch 2 (the third profiled) set them
+        due.append(tracer.due(engine))
+    assert [b for b, d in enumerate(due) if d] == [3, 7, 11]
+    # a profile that never completes: traced from batch 2 x profile_steps on, without a prediction
+    never, engine = StepTracer(every_n_steps=4), SimpleNamespace(measured_profiles=None, profile_steps=3)
+    assert [b for b in range(12) if never.due(engine)] == [6, 10]
+    assert not any(StepTracer(every_n_steps=0).due(engine) for _ in range(5))

@@ -161,7 +161,8 @@ class StepTracer:
 
     Args:
         every_n_steps: trace every this many training batches (0: never), counted from the first
-            batch that ran after the profiled steps (``engine.measured_profiles`` set).
+            batch that ran after the profiled steps (``engine.measured_profiles`` set; at the latest
+            batch ``2 x profile_steps``, then without the simulator's panel).
     """
 
     every_n_steps: int = DEFAULT_TRACE_EVERY_N_STEPS
@@ -177,7 +178,10 @@ class StepTracer:
         if not self.every_n_steps:
             return False
         if self.first_batch is None:
-            if engine.measured_profiles is None and engine.profile_steps is not None:
+            # wait for the profiled steps (the partition and the prediction); should a profile never
+            # complete (no backward reached every layer), trace without a prediction after twice as many
+            waiting = engine.measured_profiles is None and engine.profile_steps is not None
+            if waiting and batch < 2 * engine.profile_steps:
                 return False
             self.first_batch = batch
         return (batch - self.first_batch) % self.every_n_steps == 0
