@@ -137,7 +137,7 @@ def test_fit_writes_trace_and_png_at_the_planned_steps(tmp_path):
         assert counters == {"resident weights", "link"}
         host_threads = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name" and e["pid"] == 3}
         assert host_threads == {"main", "optimizer"}
-        assert doc["metadata"]["step"] == step and doc["metadata"]["roundpipe/num_microbatches"] == 4
+        assert doc["otherData"]["step"] == step and doc["otherData"]["roundpipe/num_microbatches"] == 4
 
         png = folder / f"timeline_step{step:06d}.png"
         assert png.stat().st_size > 20_000
@@ -299,7 +299,7 @@ def test_simulate_cli_writes_the_same_trace_format(tmp_path):
     table = {row[0]: float(row[1]) for row in csv.reader(lines[1:])}  # schedule -> idle % of the model
     doc = json.loads(out_path.read_text())
     rows = check_trace(doc, num_devices=3)
-    assert doc["metadata"]["schedule"] == "roundpipe_one_iteration" and doc["metadata"]["devices"] == 3
+    assert doc["otherData"]["schedule"] == "roundpipe_one_iteration" and doc["otherData"]["devices"] == 3
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     window = max(e["ts"] + e["dur"] for spans in rows.values() for e in spans)
     busy = [sum(e["dur"] for k, spans in rows.items() if k[0] == d and threads[k] == "compute" for e in spans)

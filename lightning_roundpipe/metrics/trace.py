@@ -199,11 +199,11 @@ def trace_events(timeline: Timeline, *, host_spans: Sequence[HostSpan] = (), dev
         host_spans: main-thread and optimizer spans on the same time axis.
         device_names: a label per device (``"cuda:0"``); default ``"device <d>"``.
         title: prefixed to every process name (``"simulated"``).
-        metadata: JSON-serialisable values stored under the object's ``"metadata"`` key
-            (``chrome://tracing`` and Perfetto show or ignore it).
+        metadata: JSON-serialisable values stored under the object's ``"otherData"`` key (the
+            format's field for free-form data; ``chrome://tracing`` shows it, Perfetto ignores it).
 
     Returns:
-        ``{"traceEvents": [...], "displayTimeUnit": "ms", "metadata": {...}}``; every event has
+        ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``; every event has
         ``name``, ``ph``, ``ts`` (µs), ``pid`` and ``tid``; ``X`` events also ``dur`` (µs).
 
     Raises:
@@ -274,7 +274,7 @@ def trace_events(timeline: Timeline, *, host_spans: Sequence[HostSpan] = (), dev
                                    "dur": _dur(start, end), "pid": host, "tid": lane_tid, "args": {}})
     out: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
     if metadata:
-        out["metadata"] = dict(metadata)
+        out["otherData"] = dict(metadata)
     return out
 
 
