@@ -136,9 +136,23 @@ def loader(ds: Dataset, batch_size: int = 7) -> DataLoader:
     return DataLoader(ds, batch_size=batch_size, shuffle=False)
 
 
+_SCRATCH: list[str] = []
+
+
+def scratch_dir() -> str:
+    """A temporary folder of this test process: the default ``default_root_dir`` of :func:`trainer`,
+    so what a Trainer without logger writes (RoundPipe's step traces) stays out of the repository."""
+    if not _SCRATCH:
+        import tempfile
+
+        _SCRATCH.append(tempfile.mkdtemp(prefix="roundpipe-tests-"))
+    return _SCRATCH[0]
+
+
 def trainer(strategy: Any = "auto", devices: int = 1, **kw) -> L.Trainer:
     args = dict(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                default_root_dir=scratch_dir())
     args.update(kw)
     return L.Trainer(**args)
 

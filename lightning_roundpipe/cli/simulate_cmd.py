@@ -49,7 +49,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         " (the paper's simulation recomputes)")
     p.add_argument("--plot", type=Path, metavar="OUT.png",
                    help="write the timelines of every schedule for one model (see --plot-model) as a PNG")
-    p.add_argument("--plot-model", metavar="NAME", help="model to plot (default: the first row of the CSV)")
+    p.add_argument("--plot-model", metavar="NAME", help="model to plot or trace (default: the first row of the CSV)")
+    p.add_argument("--trace", type=Path, metavar="OUT.json",
+                   help="write the simulated iteration of one schedule (see --trace-schedule) for one model (see"
+                        " --plot-model) as a Chrome/Perfetto trace (open in ui.perfetto.dev or chrome://tracing);"
+                        " the same format the strategy writes for a measured step")
+    p.add_argument("--trace-schedule", choices=SCHEDULES, default="roundpipe_one_iteration", metavar="NAME",
+                   help="schedule of --trace (default roundpipe_one_iteration)")
     p.set_defaults(func=run)
     return p
 
@@ -87,7 +93,46 @@ def run(args: argparse.Namespace) -> int:
               f" (lightning_roundpipe.simulate). \"steady\" = RoundPipe with fill/drain hidden by the next iteration.")
     sys.stdout.write(format_table(table, args.format))
     if args.plot is not None:
-        return _plot(args, timings, recompute)
+        code = _plot(args, timings, recompute)
+        if code:
+            return code
+    if args.trace is not None:
+        return _trace(args, timings, recompute)
+    return 0
+
+
+def _model(args: argparse.Namespace, timings: list):
+    chosen = [t for t in timings if args.plot_model in (None, t.model)][:1]
+    if not chosen:
+        print(f"roundpipe simulate: error: --plot-model {args.plot_model!r} is not in the table; models:"
+              f" {[t.model for t in timings]}", file=sys.stderr)
+    return chosen[0] if chosen else None
+
+
+def _trace(args: argparse.Namespace, timings: list, recompute: bool) -> int:
+    from lightning_roundpipe.metrics.trace import write_trace
+    from lightning_roundpipe.simulate.engine import simulate
+
+    t = _model(args, timings)
+    if t is None:
+        return 2
+    prof = layer_profiles(t)
+    schedule = args.trace_schedule
+    try:
+        plan = build_schedule_plan(schedule, prof, args.devices, args.microbatches, recompute_baselines=recompute)
+    except ValueError as e:
+        print(f"roundpipe simulate: error: --trace-schedule {schedule}: {e}", file=sys.stderr)
+        return 2
+    res = simulate(plan, prof, comm_s_per_hop=t.comm_s_per_hop, steady_state=schedule == "roundpipe_steady")
+    try:
+        out = write_trace(res.timeline, args.trace, title=f"simulated {schedule}",
+                          metadata={"model": t.model, "schedule": schedule, "devices": args.devices,
+                                    "num_microbatches": args.microbatches, "iteration_s": res.iteration_s,
+                                    "mean_idle_pct": res.mean_idle_pct})
+    except OSError as e:
+        print(f"roundpipe simulate: error: cannot write --trace {args.trace}: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 
@@ -95,12 +140,9 @@ def _plot(args: argparse.Namespace, timings: list, recompute: bool) -> int:
     from lightning_roundpipe.metrics.plot import plot_timelines
     from lightning_roundpipe.simulate.engine import simulate
 
-    chosen = [t for t in timings if args.plot_model in (None, t.model)][:1]
-    if not chosen:
-        print(f"roundpipe simulate: error: --plot-model {args.plot_model!r} is not in the table; models:"
-              f" {[t.model for t in timings]}", file=sys.stderr)
+    t = _model(args, timings)
+    if t is None:
         return 2
-    t = chosen[0]
     prof = layer_profiles(t)
     panels = {}
     for s in args.schedules:

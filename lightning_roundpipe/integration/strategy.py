@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_roundpipe.adapters import FAMILIES, is_supported, make_layer_sequence
 from lightning_roundpipe.integration.async_step import AsyncOptimizer, check_optimizer_mode
 from lightning_roundpipe.integration.precision import RoundPipePrecision
+from lightning_roundpipe.integration.trace import DEFAULT_TRACE_EVERY_N_STEPS, check_peak_flops, check_trace_every_n_steps
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.engine import RoundPipeEngine
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES
@@ -95,6 +96,13 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             "RoundPipe-sync"): the CPU optimizer step of step k runs on a background thread while
             the pipeline of step k+1 runs on the weights from before it; see *Asynchronous
             optimizer* below.
+        trace_every_n_steps: write a Chrome/Perfetto trace and a timeline PNG of one training batch
+            every this many batches, counted from the first batch after the profiled steps (when
+            the automatic partition is in place), into ``<trainer.log_dir>/roundpipe/`` and to
+            W&B (default 50; ``0`` or ``None``: off; see ``docs/usage.md``, *Traces*).
+        peak_flops: dense peak FLOP/s of one device in the compute dtype, for ``roundpipe/mfu(%)``;
+            ``None`` (default): looked up by GPU name
+            (:data:`~lightning_roundpipe.runtime.flops.PEAK_FLOPS`), no MFU on CPU.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning strategies;
             ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``,
             the precision plugin from ``Trainer(precision=...)``: Lightning's plugin is wrapped in a
@@ -130,7 +138,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
 
     Raises:
         ValueError: for ``num_microbatches < 1``, a non-positive ``chunk_bytes``,
-            ``microbatches_per_round`` or ``cpu_link_bytes_per_s``; an ``optimizer`` other than
+            ``microbatches_per_round`` or ``cpu_link_bytes_per_s``; a negative or non-int
+            ``trace_every_n_steps``, a non-positive ``peak_flops``; an ``optimizer`` other than
             ``"sync"``/``"async"``; for a precision other than ``32-true``, ``64-true``,
             ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
             (:class:`~lightning_roundpipe.RoundPipePrecision`); at setup, for an accelerator other
@@ -157,6 +166,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         cpu_link_bytes_per_s: float | None = None,
         debug_copy_delay_s: float = 0.0,
         optimizer: str = "sync",
+        trace_every_n_steps: int | None = DEFAULT_TRACE_EVERY_N_STEPS,
+        peak_flops: float | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: Any = None,
@@ -187,6 +198,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             raise TypeError(f"`fused_loss` must be a bool, got {fused_loss!r}."
                             " HINT: `fused_loss=False` returns logits from a training call with `labels`.")
         check_optimizer_mode(optimizer)
+        trace_every_n_steps = check_trace_every_n_steps(trace_every_n_steps)
+        peak_flops = check_peak_flops(peak_flops)
         if (forward_stages is None) != (backward_stages is None):
             raise ValueError("Pass both `forward_stages` and `backward_stages`, or neither (default partition).")
         # the plugin used while none is set; not stored in `_precision_plugin`, which Lightning reads as the user's choice
@@ -205,6 +218,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         self.cpu_link_bytes_per_s = cpu_link_bytes_per_s
         self.debug_copy_delay_s = float(debug_copy_delay_s)
         self.optimizer_mode = optimizer
+        self.trace_every_n_steps = trace_every_n_steps
+        self.peak_flops = peak_flops
         self.engine: RoundPipeEngine | None = None
         self._async: AsyncOptimizer | None = None
         self._callback = None

@@ -9,7 +9,7 @@ backend change), so it works headless and inside training processes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from lightning_roundpipe.metrics.timeline import Timeline
 
@@ -25,12 +25,14 @@ KIND_COLORS: dict[str, str] = {
     "H2D": "#9BBB59",  # uploads: weights, activations
     "D2H": "#7F7F7F",  # downloads: activations, gradients
     "wait": "#D9D9D9",
+    "host": "#4BACC6",  # host spans: the optimizer step, the main thread's phases
 }
 _LABELS = {"F": "forward", "X": "fused tail", "R": "recompute", "B": "backward", "W": "weight grad", "H2D": "H2D", "D2H": "D2H",
-           "wait": "wait"}
+           "wait": "wait", "host": "host (optimizer)"}
 
 
-def _draw(ax, timeline: Timeline, title: str | None, time_unit: str) -> set[str]:
+def _draw(ax, timeline: Timeline, title: str | None, time_unit: str, host_spans: Sequence = (),
+          span_limit_s: float | None = None) -> set[str]:
     scale = {"s": 1.0, "ms": 1e3}[time_unit]
     kinds: set[str] = set()
     for iv in timeline.intervals:
@@ -48,11 +50,20 @@ def _draw(ax, timeline: Timeline, title: str | None, time_unit: str) -> set[str]
                        edgecolors="black" if iv.is_compute else "none", linewidth=0.2)
         kinds.add(iv.kind)
     n = timeline.num_devices
+    labels = [f"dev{d} ({timeline.bubble_pct(d):.0f}% idle)" for d in range(n)]
+    host_rows = sorted({s.thread for s in host_spans})
+    for span in host_spans:
+        row = n + host_rows.index(span.thread)
+        ax.broken_barh([(span.start_s * scale, (span.end_s - span.start_s) * scale)], (row + 0.08, 0.6),
+                       facecolors=KIND_COLORS["host"], edgecolors="black", linewidth=0.2)
+        kinds.add("host")
+    labels += [f"host {thread}" for thread in host_rows]
     span = timeline.span_s() * scale
-    ax.set_xlim(0, span * 1.01 if span > 0 else 1.0)
-    ax.set_ylim(n, 0)
-    ax.set_yticks([d + 0.45 for d in range(n)])
-    ax.set_yticklabels([f"dev{d} ({timeline.bubble_pct(d):.0f}% idle)" for d in range(n)], fontsize=7)
+    limit = span if span_limit_s is None else span_limit_s * scale
+    ax.set_xlim(0, limit * 1.01 if limit > 0 else 1.0)
+    ax.set_ylim(len(labels), 0)
+    ax.set_yticks([d + 0.45 for d in range(len(labels))])
+    ax.set_yticklabels(labels, fontsize=7)
     ax.set_xlabel(f"time ({time_unit})")
     ax.grid(axis="x", linestyle="--", linewidth=0.4, alpha=0.5)
     head = f"{title}: " if title else ""
@@ -97,13 +108,18 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     return plot_timelines({title or "": timeline}, path, time_unit=time_unit)
 
 
-def plot_timelines(timelines: Mapping[str, Timeline], path: str | Path, *, time_unit: str = "ms") -> Path:
+def plot_timelines(timelines: Mapping[str, Timeline], path: str | Path, *, time_unit: str = "ms",
+                   share_time_axis: bool = False, host_spans: Mapping[str, Sequence] | None = None) -> Path:
     """Draw several timelines (e.g. one per schedule) stacked in one PNG, one panel each.
 
     Args:
         timelines: panel title -> timeline, drawn top to bottom in order.
         path: output file (``.png``); parent folders are created.
         time_unit: ``"ms"`` or ``"s"``.
+        share_time_axis: every panel gets the same time axis (the longest timeline's), so a
+            measured step and its prediction compare at a glance.
+        host_spans: panel title -> :class:`~lightning_roundpipe.metrics.trace.HostSpan` s drawn on
+            extra rows under that panel's devices (one row per host thread).
 
     Returns:
         The written path.
@@ -121,12 +137,15 @@ def plot_timelines(timelines: Mapping[str, Timeline], path: str | Path, *, time_
             raise TypeError(f"Timeline {name!r} is a {type(tl).__name__}, expected lightning_roundpipe.metrics.Timeline.")
     from matplotlib.figure import Figure
 
-    heights = [max(1.2, 0.32 * tl.num_devices + 0.8) for tl in timelines.values()]
+    host_spans = host_spans or {}
+    rows = {name: tl.num_devices + len({s.thread for s in host_spans.get(name, ())}) for name, tl in timelines.items()}
+    heights = [max(1.2, 0.32 * rows[name] + 0.8) for name in timelines]
+    longest = max(tl.span_s() for tl in timelines.values()) if share_time_axis else None
     fig = Figure(figsize=(13, sum(heights) + 0.4))
     axes = fig.subplots(len(timelines), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
     kinds: set[str] = set()
     for ax, (name, tl) in zip(axes, timelines.items()):
-        kinds |= _draw(ax, tl, name or None, time_unit)
+        kinds |= _draw(ax, tl, name or None, time_unit, host_spans.get(name, ()), longest)
     _legend(fig, kinds)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (sum(heights) + 0.4)))
     return _save(fig, path)

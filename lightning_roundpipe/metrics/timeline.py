@@ -62,12 +62,16 @@ class Timeline:
         wall_s: the step's wall time, seconds; defaults to the last interval's end.
         peak_resident_bytes: per device, the most weight bytes resident at once (``None`` if
             not recorded).
+        origin_s: measured timelines: the ``time.perf_counter()`` reading (seconds) of the
+            timeline's origin, so the phases of one step can be put on one time axis
+            (:func:`~lightning_roundpipe.metrics.trace.join_timelines`); ``None`` if unknown.
     """
 
     num_devices: int
     intervals: list[Interval] = field(default_factory=list)
     wall_s: float | None = None
     peak_resident_bytes: list[int] | None = None
+    origin_s: float | None = None
 
     def span_s(self) -> float:
         """Wall time of the step, seconds."""
@@ -105,7 +109,9 @@ class Timeline:
     def shifted(self, offset_s: float) -> "Timeline":
         """A copy with every interval moved by ``offset_s`` seconds."""
         ivs = [dataclasses.replace(i, start_s=i.start_s + offset_s, end_s=i.end_s + offset_s) for i in self.intervals]
-        return Timeline(self.num_devices, ivs, None if self.wall_s is None else self.wall_s)
+        return Timeline(self.num_devices, ivs, None if self.wall_s is None else self.wall_s,
+                        None if self.peak_resident_bytes is None else list(self.peak_resident_bytes),
+                        None if self.origin_s is None else self.origin_s - offset_s)
 
 
 def _union_length(spans: list[tuple[float, float]]) -> float:

@@ -281,7 +281,7 @@ class RoundPipeEngine:
         cursor = self._advance(n_fwd)
         if training:
             self._last_call = (m, False)
-        self._run(self.program(m, cursor, phase="forward"), state)
+        self._run(self.program(m, cursor, phase="forward"), state, record=training)
         finals = [pytree.tree_flatten(state.final.pop(i)) for i in range(m)]
         spec = finals[0][1]
         if not seq.additive_scalars:
@@ -405,8 +405,12 @@ class RoundPipeEngine:
         (loss,) = attach([loss], run_backward, grad_inputs)
         return self.seq.finalize({**extra, key: loss})
 
-    def _run(self, program: StreamProgram, state: PipelineState) -> None:
+    def _run(self, program: StreamProgram, state: PipelineState, record: bool = True) -> None:
+        """Execute ``program``; keep its timeline and the program for the step's metrics when ``record``
+        (training calls only: evaluation calls have no step that would collect them)."""
         timeline = self.executor.run(program, state)
+        if not record:
+            return
         with self._lock:
             self._timelines.append(timeline)
             self._step_programs.append(program)

@@ -261,7 +261,8 @@ class Executor:
             kind = op.kind.value if op.kind.is_compute else ("H2D" if op.stream in ("weights", "h2d") else "D2H")
             intervals.append(Interval(device_index, kind, op.stage_index, op.microbatch_index, start - run.t0,
                                       end - run.t0, nbytes, stream=op.stream, label=str(op)))
-        return Timeline(len(self.backends), intervals, wall_s=wall, peak_resident_bytes=run.peak_resident_bytes)
+        return Timeline(len(self.backends), intervals, wall_s=wall, peak_resident_bytes=run.peak_resident_bytes,
+                        origin_s=run.t0)
 
     def _stream_job(self, backend: Backend, stream: str, run: ProgramRun) -> None:
         op = None
