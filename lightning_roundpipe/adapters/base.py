@@ -37,6 +37,9 @@ class LayerSequence:
         additive_scalars: 0-dim outputs are per-microbatch contributions that sum to the batch's
             value (the HF loss normalised by the whole batch's label tokens). Otherwise every output
             must carry the batch on dim 0, and a 0-dim output is an error.
+        host_call: ``host_call(args, kwargs) -> bool``: whether this call must run the model's own
+            forward, un-pipelined on the host (a KV cache, hidden states...: what ``prepare`` cannot
+            pipeline); ``None``: every call is pipelined.
     """
 
     target: nn.Module
@@ -49,6 +52,7 @@ class LayerSequence:
     loss_key: str | None = None
     has_loss: Callable[[dict], bool] | None = None
     additive_scalars: bool = False
+    host_call: Callable[[tuple, dict], bool] | None = None
 
     def __len__(self) -> int:
         return len(self.layers)
