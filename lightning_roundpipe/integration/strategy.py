@@ -270,7 +270,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
 
     def _announce(self, seq: Any, devices: list[torch.device], fitting: bool) -> None:
         """``rank_zero_info`` of what is pipelined where (model, layers, devices, microbatches, the
-        stage table); said again by a later ``fit``/``validate`` only when it changed."""
+        stage table: with the fused loss on, the stages of a training call with ``labels``, the tail
+        fused); said again by a later ``fit``/``validate`` only when it changed."""
         engine = self.engine
         assert engine is not None
         names = ", ".join(str(d) for d in devices)
@@ -278,7 +279,7 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         text = (f"RoundPipe: pipelining `{type(seq.target).__name__}` ({seq.family}, {len(seq)} layers) on"
                 f" {len(devices)} device(s) [{names}], {engine.num_microbatches} microbatches,"
                 f" precision {self.precision_plugin.precision}, optimizer {self.optimizer_mode!r}, fused loss {fused}\n"
-                + format_stage_table(engine.stages, seq.layer_names))
+                + format_stage_table(engine.fused_stages if fused == "on" else engine.stages, seq.layer_names))
         if text != self._announced:
             self._announced = text
             rank_zero_info(text)
