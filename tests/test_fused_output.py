@@ -39,9 +39,36 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_plain_script_shows_the_announcement_and_the_fused_warning_once(tmp_path: Path) -> None:
+CLI_SCRIPT = textwrap.dedent("""
+    from lightning.pytorch.cli import LightningCLI
+    import lightning_roundpipe  # registers strategy="roundpipe"
+    from _helpers import CausalLMModule, TokenData, loader, tiny_hf
+
+    class Module(CausalLMModule):
+        def __init__(self, lr: float = 0.1) -> None:
+            super().__init__(tiny_hf("llama"), lr=lr)
+
+        def train_dataloader(self):
+            return loader(TokenData())
+
+        def val_dataloader(self):
+            return loader(TokenData(n=7))
+
+    LightningCLI(Module, args=["fit", "--trainer.strategy=roundpipe", "--trainer.accelerator=cpu", "--trainer.devices=2",
+                               "--trainer.max_steps=2", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+                               "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+                               "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=1"])
+    print("DONE")
+""")
+
+
+@pytest.mark.parametrize("kind", ["plain", "lightning_cli"])
+def test_script_shows_the_announcement_and_the_fused_warning_once(kind: str, tmp_path: Path) -> None:
+    """Default verbosity, no Hydra: a plain script (validate, then fit) and a LightningCLI script."""
+    if kind == "lightning_cli":
+        pytest.importorskip("jsonargparse")
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(SCRIPT if kind == "plain" else CLI_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), "WANDB_MODE": "disabled"}
     env.pop("PYTHONWARNINGS", None)
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
