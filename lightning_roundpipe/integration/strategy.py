@@ -30,6 +30,7 @@ from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.engine import RoundPipeEngine
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES
 
+StageRanges = Sequence[range | tuple[int, int] | Sequence[int]]
 
 
 def format_stage_table(stages: Sequence[Any], layer_names: Sequence[str]) -> str:
@@ -46,9 +47,6 @@ def format_stage_table(stages: Sequence[Any], layer_names: Sequence[str]) -> str
         kind = "fused" if stage.fused else stage.kind
         rows.append(f"  {stage.stage_index:5d}  {kind:8s}  {first:>3d}..{last:<3d}  {label}")
     return "\n".join(rows)
-
-StageRanges = Sequence[range | tuple[int, int] | Sequence[int]]
-
 
 
 def _make_config(config: RoundPipeConfig | None, given: dict[str, Any]) -> RoundPipeConfig:
