@@ -18,15 +18,17 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from lightning_roundpipe import _register  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["RoundPipeMetricsCallback", "RoundPipePrecision", "RoundPipeStrategy", "__version__"]
+__all__ = ["RoundPipeConfig", "RoundPipeMetricsCallback", "RoundPipePrecision", "RoundPipeStrategy", "__version__"]
 
 _LAZY = {
+    "RoundPipeConfig": "lightning_roundpipe.config",
     "RoundPipeMetricsCallback": "lightning_roundpipe.integration.callbacks",
     "RoundPipePrecision": "lightning_roundpipe.integration.precision",
     "RoundPipeStrategy": "lightning_roundpipe.integration.strategy",
 }
 
 if TYPE_CHECKING:
+    from lightning_roundpipe.config import RoundPipeConfig
     from lightning_roundpipe.integration import RoundPipeMetricsCallback, RoundPipePrecision, RoundPipeStrategy
 
 

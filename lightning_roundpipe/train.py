@@ -153,6 +153,24 @@ def _finish_wandb(loggers: list[Any], exit_code: int) -> None:
             wandb.finish(exit_code=exit_code)
 
 
+def _log_lightning_once() -> None:
+    """Print every Lightning log line once under Hydra.
+
+    The ``lightning`` package's ``__init__`` adds a console handler (``INFO: ...``) to its ``lightning``
+    logger and leaves propagation on; under Hydra the root logger has handlers too (console and
+    ``<output_dir>/train.log``), so every Lightning (and RoundPipe ``rank_zero_info``) line appeared
+    twice. Where the root logger has handlers, that console handler is removed: the lines then go once
+    through Hydra's handlers, file included. Without root handlers (a plain script) nothing changes.
+    """
+    import logging
+
+    import lightning
+
+    console = getattr(lightning, "_console", None)
+    if console is not None and logging.getLogger().hasHandlers():
+        logging.getLogger("lightning").removeHandler(console)
+
+
 def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
     """Build data, module, strategy and trainer from ``cfg``; validate, fit, validate.
 
@@ -175,6 +193,7 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
     """
     import lightning.pytorch as pl
 
+    _log_lightning_once()
     os.environ.setdefault("WANDB_MODE", "offline")
     start = time.perf_counter() if start_s is None else start_s
     pl.seed_everything(cfg.seed, workers=True)

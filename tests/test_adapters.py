@@ -42,8 +42,10 @@ def test_family_forward_and_grads(kind, fused):
     try:
         out = model(**batch)
         expected = ref(**batch)
-        if fused:
-            assert out.logits is None  # logits never leave the device on the fused path
+        if fused:  # logits never leave the device on the fused path; reading them explains why
+            assert list(out.keys()) == ["loss"] and not hasattr(out, "logits")
+            with pytest.raises(AttributeError, match=r"RoundPipeStrategy\(fused_loss=False\)"):
+                out.logits
         else:
             assert torch.allclose(out.logits, expected.logits, atol=1e-5)
         assert torch.allclose(out.loss, expected.loss, atol=1e-6)
@@ -83,12 +85,12 @@ def test_peft_wrapped_model_is_unwrapped():
     assert any("lora_A" in n for n, _ in seq.layers[1].named_parameters())
 
 
-def test_unsupported_inputs_are_rejected():
+def test_unsupported_inputs_with_gradients_are_rejected():
     model = _tiny("llama")
     engine = RoundPipeEngine(make_layer_sequence(model), [torch.device("cpu")], num_microbatches=2)
     engine.install()
     try:
-        with pytest.raises(ValueError, match="inputs_embeds"):
+        with pytest.raises(ValueError, match=r"inputs_embeds.*un-pipelined on the host.*HINT"):
             model(inputs_embeds=torch.zeros(2, 3, 32))
         with pytest.raises(ValueError, match="use_cache"):
             model(input_ids=torch.zeros(2, 3, dtype=torch.long), use_cache=True)
@@ -102,16 +104,28 @@ def test_unsupported_model_error_names_families():
 
 
 @pytest.mark.parametrize("kwargs", [dict(output_hidden_states=True), dict(logits_to_keep=1), dict(output_attentions=True),
-                                    dict(past_key_values=object())])
-def test_arguments_that_change_the_output_are_rejected(kwargs):
+                                    dict(use_cache=True)])
+def test_arguments_the_pipeline_does_not_run_go_to_the_host(kwargs):
+    """With gradients they are refused (no pipelined backward); without, the model's own forward runs
+    on the host and returns what the plain model returns."""
     model = _tiny("llama")
+    ref = copy.deepcopy(model)
+    ids = TokenData(n=2).ids
     engine = RoundPipeEngine(make_layer_sequence(model), [torch.device("cpu")], num_microbatches=2)
     engine.install()
     try:
-        with pytest.raises(ValueError, match="does not support"):
-            model(input_ids=torch.zeros(2, 3, dtype=torch.long), **kwargs)
-        # the same arguments at their defaults are fine
-        model(input_ids=torch.zeros(2, 3, dtype=torch.long), use_cache=False, output_hidden_states=False, logits_to_keep=0)
+        with pytest.raises(ValueError, match="un-pipelined on the host"):
+            model(input_ids=ids, **kwargs)
+        with torch.no_grad():
+            got, expected = model(input_ids=ids, **kwargs), ref(input_ids=ids, **kwargs)
+        assert list(got.keys()) == list(expected.keys())
+        assert torch.equal(got.logits, expected.logits)
+        for key in ("hidden_states", "attentions"):
+            if key in expected:
+                assert all(torch.equal(a, b) for a, b in zip(got[key], expected[key]))
+        # the same arguments at their defaults are pipelined
+        model(input_ids=ids, use_cache=False, output_hidden_states=False, logits_to_keep=0)
+        assert engine.pop_timelines()
     finally:
         engine.close()
 

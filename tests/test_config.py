@@ -230,19 +230,90 @@ def test_cli_applies_overrides() -> None:
     assert "logger" not in cfg and cfg.callbacks.model_checkpoint._target_.endswith("ModelCheckpoint")
 
 
-def test_strategy_config_keys_are_strategy_arguments() -> None:
-    """Every key of conf/strategy/roundpipe.yaml is an argument of RoundPipeStrategy with the same default."""
+def test_strategy_config_keys_are_the_config_fields() -> None:
+    """conf/strategy/roundpipe.yaml has one key per RoundPipeConfig field, at the field's default, and
+    every field is a RoundPipeStrategy keyword argument with the same default."""
+    import dataclasses
     import inspect
 
     import lightning_roundpipe
+    from lightning_roundpipe.config import RoundPipeConfig
 
     cfg = _compose()
+    keys = [k for k in cfg.strategy if k != "_target_"]
+    assert keys == list(RoundPipeConfig.field_names())
+    defaults = RoundPipeConfig()
     signature = inspect.signature(lightning_roundpipe.RoundPipeStrategy)
-    for key, value in cfg.strategy.items():
-        if key == "_target_":
-            continue
-        assert key in signature.parameters, key
-        assert signature.parameters[key].default == value, key
+    for field in dataclasses.fields(RoundPipeConfig):
+        assert cfg.strategy[field.name] == getattr(defaults, field.name), field.name
+        assert signature.parameters[field.name].default == field.default, field.name
+    source = inspect.getsource(RoundPipeConfig)
+    for name in RoundPipeConfig.field_names():
+        line = next(i for i, text in enumerate(source.splitlines()) if text.strip().startswith(f"{name}:"))
+        assert source.splitlines()[line + 1].strip().startswith('"""'), f"`{name}` has no docstring"
+
+
+def test_hydra_overrides_reach_the_strategy() -> None:
+    """Every field can be set from the command line; the instantiated strategy holds the values."""
+    import lightning_roundpipe
+
+    cfg = _compose("strategy.fused_loss=false", "strategy.optimizer=async", "strategy.num_microbatches=5",
+                   "strategy.module=model", "strategy.partition=default", "strategy.profile_steps=4",
+                   "strategy.forward_stages=[[0,3],[3,7]]", "strategy.backward_stages=[[3,7],[0,3]]",
+                   "strategy.chunk_bytes=1048576", "strategy.microbatches_per_round=2",
+                   "strategy.cpu_link_bytes_per_s=25e9", "strategy.debug_copy_delay_s=0.01")
+    strategy = instantiate(cfg.strategy)
+    assert isinstance(strategy, lightning_roundpipe.RoundPipeStrategy)
+    config = strategy.config
+    assert config == lightning_roundpipe.RoundPipeConfig(
+        fused_loss=False, optimizer="async", num_microbatches=5, module="model", partition="default", profile_steps=4,
+        forward_stages=[(0, 3), (3, 7)], backward_stages=[(3, 7), (0, 3)], chunk_bytes=2**20,
+        microbatches_per_round=2, cpu_link_bytes_per_s=25e9, debug_copy_delay_s=0.01)
+    assert config.forward_stages == (range(0, 3), range(3, 7))
+    assert strategy.fused_loss is False and strategy.optimizer_mode == "async" and strategy.num_microbatches == 5
+    assert strategy.partition.backward_stages == (range(3, 7), range(0, 3))
+    from hydra.errors import InstantiationException
+
+    with pytest.raises(InstantiationException, match=r"`optimizer` must be one of \['sync', 'async'\].*HINT") as err:
+        instantiate(_compose("strategy.optimizer=fast").strategy)
+    assert isinstance(err.value.__cause__, ValueError)
+
+
+def test_strategy_takes_a_config() -> None:
+    from lightning_roundpipe import RoundPipeConfig, RoundPipeStrategy
+
+    config = RoundPipeConfig(num_microbatches=4, fused_loss=False)
+    strategy = RoundPipeStrategy(config=config)
+    assert strategy.config is config and strategy.num_microbatches == 4 and strategy.fused_loss is False
+    assert RoundPipeStrategy(num_microbatches=4, fused_loss=False).config == config
+    with pytest.raises(ValueError, match=r"both `config` and `num_microbatches`.*HINT"):
+        RoundPipeStrategy(num_microbatches=3, config=config)
+    with pytest.raises(TypeError, match="RoundPipeConfig"):
+        RoundPipeStrategy(config={"num_microbatches": 4})
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(num_microbatches=0), ValueError, r"`num_microbatches`.*HINT"),
+    (dict(partition="fast"), ValueError, r"`partition` must be one of \['auto', 'default'\]"),
+    (dict(profile_steps=1), ValueError, r"`profile_steps`.*>= 2"),
+    (dict(chunk_bytes=0), ValueError, r"`chunk_bytes`.*HINT"),
+    (dict(microbatches_per_round=0), ValueError, r"`microbatches_per_round`"),
+    (dict(cpu_link_bytes_per_s=float("inf")), ValueError, r"`cpu_link_bytes_per_s`.*finite"),
+    (dict(fused_loss=1), TypeError, r"`fused_loss` must be a bool"),
+    (dict(forward_stages="0,3"), TypeError, r"`forward_stages`"),
+])
+def test_config_validates_each_field(kwargs, exc, match) -> None:
+    from lightning_roundpipe.config import RoundPipeConfig
+
+    with pytest.raises(exc, match=match):
+        RoundPipeConfig(**kwargs)
+
+
+def test_config_imports_without_torch_or_lightning() -> None:
+    code = ("import sys; from lightning_roundpipe.config import RoundPipeConfig; RoundPipeConfig(num_microbatches=3);"
+            " bad = [m for m in ('torch', 'lightning') if m in sys.modules]; assert not bad, bad")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
 
 
 def test_progress_bar_of_a_step_limited_run_shows_no_negative_epoch(tmp_path: Path) -> None:

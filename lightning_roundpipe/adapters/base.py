@@ -40,6 +40,9 @@ class LayerSequence:
         routing: mixture-of-experts layers: which layers route tokens (their routing is recorded
             in the forward and replayed in recomputation) and how the whole batch's routing
             enters the outputs (:class:`RoutingSpec`); ``None`` for dense models.
+        host_call: ``host_call(args, kwargs) -> bool``: whether this call must run the model's own
+            forward, un-pipelined on the host (a KV cache, hidden states...: what ``prepare`` cannot
+            pipeline); ``None``: every call is pipelined.
     """
 
     target: nn.Module
@@ -53,6 +56,7 @@ class LayerSequence:
     has_loss: Callable[[dict], bool] | None = None
     additive_scalars: bool = False
     routing: "RoutingSpec | None" = None
+    host_call: Callable[[tuple, dict], bool] | None = None
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -194,6 +194,19 @@ def _is_noop(value: Any, allowed: tuple) -> bool:
     return value is None or (type(value) is type(default) and value == default)
 
 
+def _unsupported(kwargs: dict, supported: tuple[str, ...] = _SUPPORTED) -> list[str]:
+    """Names of the arguments given (not ``None``, not at their no-op value) that the pipeline cannot run."""
+    return sorted(k for k, v in kwargs.items() if k not in supported and v is not None
+                  and not (k in _NOOP_KWARGS and _is_noop(v, _NOOP_KWARGS[k])))
+
+
+def host_call(args: tuple, kwargs: dict, supported: tuple[str, ...] = _SUPPORTED) -> bool:
+    """Whether a call runs the model's own forward on the host: it asks for what the pipeline does not
+    compute (``use_cache=True``, ``cache``/``past_key_values``, ``inputs_embeds``, hidden states,
+    attentions, ``logits_to_keep``...), e.g. every forward of ``generate()``."""
+    return bool(_unsupported(kwargs, supported))
+
+
 def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
     """Layer sequence of a supported HF causal LM (``model`` may be PEFT-wrapped).
 
@@ -259,15 +272,13 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
             if len(args) > 1:
                 raise TypeError("The pipelined causal LM takes `input_ids` as its only positional argument; pass the rest by name.")
         # `None` is "not given" for every argument (PEFT passes `inputs_embeds=None` and friends)
-        unsupported = sorted(k for k, v in kwargs.items() if k not in supported and v is not None
-                             and not (k in _NOOP_KWARGS and _is_noop(v, _NOOP_KWARGS[k])))
-        if unsupported:
+        unsupported = _unsupported(kwargs, supported)
+        if unsupported:  # the engine runs such calls on the host (`host_call`); this is for a direct `prepare`
             raise ValueError(
                 f"The pipelined causal LM does not support {', '.join(f'`{k}={kwargs[k]!r}`' for k in unsupported)}."
                 f" Supported: {', '.join(f'`{k}`' for k in supported)}, and"
-                f" {', '.join(f'`{k}`' for k in _NOOP_KWARGS)} at their defaults. HINT: generation with a KV cache,"
-                " `inputs_embeds`, hidden states and attentions are available outside the RoundPipe strategy"
-                " (e.g. in a plain `trainer.predict` with the default strategy)."
+                f" {', '.join(f'`{k}`' for k in _NOOP_KWARGS)} at their defaults. HINT: without gradients such calls"
+                " (generation with a KV cache, `inputs_embeds`, hidden states, attentions) run un-pipelined on the host."
             )
         input_ids = kwargs.get("input_ids")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -290,6 +301,10 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
             return moe.finalize(merged)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        from lightning_roundpipe.adapters.hf_outputs import FusedCausalLMOutput
+
+        if "logits" not in merged:  # the fused path: the loss only
+            return FusedCausalLMOutput(loss=merged.get("loss"))
         return CausalLMOutputWithPast(loss=merged.get("loss"), logits=merged.get("logits"))
 
     return LayerSequence(
@@ -304,4 +319,5 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         has_loss=lambda carry: carry.get("labels") is not None,
         additive_scalars=True,
         routing=moe.routing_spec(layer_offset=1) if moe is not None else None,
+        host_call=lambda args, kwargs: host_call(args, kwargs, supported),
     )

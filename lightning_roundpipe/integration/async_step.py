@@ -33,9 +33,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_roundpipe.config import OPTIMIZER_MODES  # validated in RoundPipeConfig
 from lightning_roundpipe.runtime.async_optimizer import BackgroundStepper
-
-OPTIMIZER_MODES = ("sync", "async")
 
 
 def check_optimizer_mode(value: Any) -> str:

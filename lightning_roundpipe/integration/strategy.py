@@ -10,8 +10,7 @@ optimizer steps to :class:`~lightning_roundpipe.integration.async_step.AsyncOpti
 
 from __future__ import annotations
 
-import logging
-import math
+import dataclasses
 from typing import Any, Sequence
 
 import torch
@@ -19,90 +18,77 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lightning_roundpipe.adapters import FAMILIES, is_supported, make_layer_sequence
-from lightning_roundpipe.integration.async_step import AsyncOptimizer, check_optimizer_mode
+from lightning_roundpipe.config import DEFAULT_TRACE_EVERY_N_STEPS, RoundPipeConfig
+from lightning_roundpipe.integration.async_step import AsyncOptimizer
 from lightning_roundpipe.integration.precision import RoundPipePrecision
-from lightning_roundpipe.integration.trace import DEFAULT_TRACE_EVERY_N_STEPS, check_peak_flops, check_trace_every_n_steps
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.engine import RoundPipeEngine
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES
 
-log = logging.getLogger(__name__)
-
 StageRanges = Sequence[range | tuple[int, int] | Sequence[int]]
 
 
-def _as_ranges(name: str, stages: StageRanges | None) -> tuple[range, ...] | None:
-    if stages is None:
-        return None
-    out = []
-    for s in stages:
-        if isinstance(s, range):
-            out.append(s)
-        elif isinstance(s, Sequence) and len(s) == 2 and all(isinstance(v, int) for v in s):
-            out.append(range(s[0], s[1]))
-        else:
-            raise TypeError(
-                f"`{name}` entries must be `range`s or `(start, stop)` pairs of layer indices, got {s!r}."
-                " HINT: forward_stages=[(0, 3), (3, 6)] covers layers 0..5 in two stages."
-            )
-    return tuple(out)
+def format_stage_table(stages: Sequence[Any], layer_names: Sequence[str]) -> str:
+    """The stage table of the announcement: one row per stage (index, kind, layer range, layer names).
+
+    Args:
+        stages: :class:`~lightning_roundpipe.schedule.StageSpec` s in dispatch order.
+        layer_names: the layer sequence's labels (``LayerSequence.layer_names``).
+    """
+    rows = ["  stage  kind      layers   names"]
+    for stage in stages:
+        first, last = stage.layers.start, stage.layers.stop - 1
+        label = layer_names[first] if first == last else f"{layer_names[first]} .. {layer_names[last]}"
+        kind = "fused" if stage.fused else stage.kind
+        rows.append(f"  {stage.stage_index:5d}  {kind:8s}  {first:>3d}..{last:<3d}  {label}")
+    return "\n".join(rows)
 
 
-def _check_positive(name: str, value: Any, integer: bool, hint: str) -> None:
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if not ok or isinstance(value, bool) or not value > 0:
-        kind = "a positive int" if integer else "a positive number"
-        raise ValueError(f"`{name}` must be {kind}, got {value!r}. HINT: {hint}.")
+def _make_config(config: RoundPipeConfig | None, given: dict[str, Any]) -> RoundPipeConfig:
+    """``config``, or a :class:`RoundPipeConfig` of the keyword arguments ``given``.
+
+    Raises:
+        TypeError: when ``config`` is not a ``RoundPipeConfig``.
+        ValueError: when ``config`` and a keyword argument other than its default are both given; the
+            config's own errors otherwise.
+    """
+    if config is None:
+        return RoundPipeConfig(**given)
+    if not isinstance(config, RoundPipeConfig):
+        raise TypeError(f"`config` must be a `lightning_roundpipe.RoundPipeConfig`, got {type(config).__name__}."
+                        " HINT: RoundPipeStrategy(config=RoundPipeConfig(num_microbatches=4)).")
+    defaults = {f.name: f.default for f in dataclasses.fields(RoundPipeConfig)}
+    clash = sorted(k for k, v in given.items() if v is not defaults[k] and v != defaults[k])
+    if clash:
+        raise ValueError(f"`RoundPipeStrategy` got both `config` and {', '.join(f'`{k}`' for k in clash)}."
+                         " HINT: set them in the config, e.g. `dataclasses.replace(config, num_microbatches=4)`.")
+    return config
 
 
 class RoundPipeStrategy(SingleDeviceStrategy):
     """RoundPipe pipeline training (arXiv 2604.27085) for Lightning.
 
     Args:
-        num_microbatches: microbatches each batch is cut into (along dim 0); default: number of
-            devices + 1 (paper section 3: bubbles nearly vanish once microbatches >= devices + 1).
-        module: attribute of the LightningModule to pipeline (dotted paths allowed); default: the one
-            child that is a supported model (HF causal LM, also under PEFT, or ``nn.Sequential``).
-        partition: ``"auto"`` (default): start with the simple partition (forward stages of 3
-            layers, backward stages of 1) while every layer is profiled for ``profile_steps``
-            training steps, then re-cut the stages with the automatic partitioner from the measured
-            times (DESIGN.md section 6); ``"default"``: keep the simple partition.
-        profile_steps: training steps profiled before the automatic partition (>= 2; the first
-            is warm-up and dropped).
-        fused_loss: when the model computes its own loss (HF causal LM called with ``labels``), run
-            forward stages, the fused tail (last layers, LM head and loss: never recomputed, logits
-            never leave the device) and the backward stages as one plan inside the forward call;
-            the returned output then has ``logits=None``. ``False``: always the transparent path.
-        forward_stages: optional explicit forward stage boundaries: ascending ``range`` s or
-            ``(start, stop)`` pairs of layer indices of the layer sequence (overrides ``partition``).
-        backward_stages: optional explicit backward stage boundaries, tail first.
-        chunk_bytes: largest weight upload chunk, bytes (default 64 MiB); activation uploads go
-            between chunks (paper section 3.3).
-        microbatches_per_round: dispatch the microbatches in rounds of at most this many (the
-            paper's artifact uses rounds of ``devices``); ``None`` (default): one round, every stage
-            loaded once per step.
-        cpu_link_bytes_per_s: CPU virtual devices only: model a host link of this many bytes/s per
-            direction (every copy takes ``bytes / rate``), so a CPU run reproduces a PCIe-bound
-            regime; ``None`` (default): copies run at memory speed.
-        debug_copy_delay_s: CPU virtual devices only, for debugging the runtime: every copy lands
-            this many seconds late and its destination holds NaN meanwhile, so a missing
-            dependency shows up as a wrong result (default 0: off).
-        optimizer: ``"sync"`` (default): Lightning's exact semantics, the optimizer step runs
-            between two pipelines. ``"async"``: the paper's mode (section 4, "RoundPipe" vs
-            "RoundPipe-sync"): the CPU optimizer step of step k runs on a background thread while
-            the pipeline of step k+1 runs on the weights from before it; see *Asynchronous
-            optimizer* below.
-        trace_every_n_steps: write a Chrome/Perfetto trace and a timeline PNG of one training batch
-            every this many batches, counted from the first batch after the profiled steps (when
-            the automatic partition is in place), into ``<trainer.log_dir>/roundpipe/`` and to
-            W&B (default 50; ``0`` or ``None``: off; see ``docs/usage.md``, *Traces*).
-        peak_flops: dense peak FLOP/s of one device in the compute dtype, for ``roundpipe/mfu(%)``;
-            ``None`` (default): looked up by GPU name
-            (:data:`~lightning_roundpipe.runtime.flops.PEAK_FLOPS`), no MFU on CPU.
+        num_microbatches, module, partition, profile_steps, fused_loss, forward_stages,
+            backward_stages, chunk_bytes, microbatches_per_round, cpu_link_bytes_per_s,
+            debug_copy_delay_s, optimizer, trace_every_n_steps, peak_flops: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
+            (type, unit, default and meaning are documented there), gathered into :attr:`config`. In
+            short: ``num_microbatches`` (default devices + 1), ``module`` (the attribute to pipeline),
+            ``partition`` (``"auto"``: re-cut from ``profile_steps`` profiled steps), ``fused_loss``
+            (a training call with ``labels`` runs the whole step inside the forward and returns the
+            loss only), explicit ``forward_stages``/``backward_stages``, ``chunk_bytes`` (weight
+            upload chunk), ``microbatches_per_round``, ``cpu_link_bytes_per_s`` and
+            ``debug_copy_delay_s`` (CPU virtual devices), ``optimizer`` (``"sync"`` or ``"async"``,
+            see *Asynchronous optimizer* below), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
+            timeline PNG every N batches into ``<trainer.log_dir>/roundpipe/`` and W&B; 0: off),
+            ``peak_flops`` (device peak FLOP/s for ``roundpipe/mfu(%)``; looked up by GPU name).
+        config: a :class:`~lightning_roundpipe.RoundPipeConfig` instead of those keyword arguments
+            (then they must stay at their defaults).
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning strategies;
             ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``,
             the precision plugin from ``Trainer(precision=...)``: Lightning's plugin is wrapped in a
@@ -136,11 +122,13 @@ class RoundPipeStrategy(SingleDeviceStrategy):
       :meth:`wait_for_optimizer` first. On CPU virtual devices the pipeline reads copies of the
       trainable weights (one more fp32 copy of them in host memory).
 
+    Generation: ``generate()`` and any call with a KV cache (``use_cache=True`` or ``past_key_values``)
+    runs un-pipelined on the host, the original forward on the CPU master weights (after waiting for
+    an asynchronous optimizer step in flight); see docs/usage.md.
+
     Raises:
-        ValueError: for ``num_microbatches < 1``, a non-positive ``chunk_bytes``,
-            ``microbatches_per_round`` or ``cpu_link_bytes_per_s``; a negative or non-int
-            ``trace_every_n_steps``, a non-positive ``peak_flops``; an ``optimizer`` other than
-            ``"sync"``/``"async"``; for a precision other than ``32-true``, ``64-true``,
+        ValueError: for an invalid field (:class:`~lightning_roundpipe.RoundPipeConfig`), or ``config``
+            together with a keyword argument other than its default; for a precision other than ``32-true``, ``64-true``,
             ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
             (:class:`~lightning_roundpipe.RoundPipePrecision`); at setup, for an accelerator other
             than CPU and CUDA, and with ``optimizer="async"`` for manual optimization,
@@ -172,57 +160,44 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
+        config: RoundPipeConfig | None = None,
     ) -> None:
-        if num_microbatches is not None and (not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool)
-                                             or num_microbatches < 1):
-            raise ValueError(
-                f"`num_microbatches` must be a positive int or None (devices + 1), got {num_microbatches!r}."
-            )
-        if module is not None and not isinstance(module, str):
-            raise TypeError(f"`module` must be the name of a LightningModule attribute (str) or None, got {type(module).__name__}.")
-        if partition not in ("auto", "default"):
-            raise ValueError(f"`partition` must be one of ['auto', 'default'], got {partition!r}."
-                             " HINT: pass explicit stages with `forward_stages=` and `backward_stages=`.")
-        if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 2:
-            raise ValueError(f"`profile_steps` must be an int >= 2 (the first step is warm-up), got {profile_steps!r}.")
-        _check_positive("chunk_bytes", chunk_bytes, integer=True, hint="e.g. 64 * 2**20 (64 MiB)")
-        if microbatches_per_round is not None:
-            _check_positive("microbatches_per_round", microbatches_per_round, integer=True, hint="e.g. the number of devices")
-        if cpu_link_bytes_per_s is not None:
-            _check_positive("cpu_link_bytes_per_s", cpu_link_bytes_per_s, integer=False, hint="25e9 models PCIe 4.0 x16 one way")
-        if (not isinstance(debug_copy_delay_s, (int, float)) or isinstance(debug_copy_delay_s, bool)
-                or not 0 <= debug_copy_delay_s < math.inf):
-            raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {debug_copy_delay_s!r}."
-                             " HINT: 0.05 makes a missing dependency show; 0 turns the delay off.")
-        if not isinstance(fused_loss, bool):
-            raise TypeError(f"`fused_loss` must be a bool, got {fused_loss!r}."
-                            " HINT: `fused_loss=False` returns logits from a training call with `labels`.")
-        check_optimizer_mode(optimizer)
-        trace_every_n_steps = check_trace_every_n_steps(trace_every_n_steps)
-        peak_flops = check_peak_flops(peak_flops)
-        if (forward_stages is None) != (backward_stages is None):
-            raise ValueError("Pass both `forward_stages` and `backward_stages`, or neither (default partition).")
+        given = {"num_microbatches": num_microbatches, "module": module, "partition": partition,
+                 "profile_steps": profile_steps, "fused_loss": fused_loss, "forward_stages": forward_stages,
+                 "backward_stages": backward_stages, "chunk_bytes": chunk_bytes,
+                 "microbatches_per_round": microbatches_per_round, "cpu_link_bytes_per_s": cpu_link_bytes_per_s,
+                 "debug_copy_delay_s": debug_copy_delay_s, "optimizer": optimizer,
+                 "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops}
+        self.config = _make_config(config, given)
         # the plugin used while none is set; not stored in `_precision_plugin`, which Lightning reads as the user's choice
         self._default_precision = RoundPipePrecision()
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.parallel_devices = parallel_devices
-        self.num_microbatches = num_microbatches
-        self.module_name = module
-        fwd, bwd = _as_ranges("forward_stages", forward_stages), _as_ranges("backward_stages", backward_stages)
-        self.partition = PartitionPlan(fwd, bwd) if fwd is not None else None
-        self.partition_mode = "explicit" if fwd is not None else partition
-        self.profile_steps = profile_steps
-        self.fused_loss = bool(fused_loss)
-        self.chunk_bytes = chunk_bytes
-        self.microbatches_per_round = microbatches_per_round
-        self.cpu_link_bytes_per_s = cpu_link_bytes_per_s
-        self.debug_copy_delay_s = float(debug_copy_delay_s)
-        self.optimizer_mode = optimizer
-        self.trace_every_n_steps = trace_every_n_steps
-        self.peak_flops = peak_flops
+        cfg = self.config
+        self.partition = PartitionPlan(cfg.forward_stages, cfg.backward_stages) if cfg.forward_stages is not None else None
+        self.partition_mode = "explicit" if cfg.forward_stages is not None else cfg.partition
         self.engine: RoundPipeEngine | None = None
         self._async: AsyncOptimizer | None = None
         self._callback = None
+        self._announced: str | None = None
+        self._announced_auto = False
+        self._warned_fused = False
+
+    # ------------------------------------------------------------------ the config's fields (read-only)
+    num_microbatches = property(lambda self: self.config.num_microbatches, doc="`RoundPipeConfig.num_microbatches`.")
+    module_name = property(lambda self: self.config.module, doc="`RoundPipeConfig.module`.")
+    profile_steps = property(lambda self: self.config.profile_steps, doc="`RoundPipeConfig.profile_steps`.")
+    fused_loss = property(lambda self: self.config.fused_loss, doc="`RoundPipeConfig.fused_loss`.")
+    chunk_bytes = property(lambda self: self.config.chunk_bytes, doc="`RoundPipeConfig.chunk_bytes`.")
+    microbatches_per_round = property(lambda self: self.config.microbatches_per_round,
+                                      doc="`RoundPipeConfig.microbatches_per_round`.")
+    cpu_link_bytes_per_s = property(lambda self: self.config.cpu_link_bytes_per_s,
+                                    doc="`RoundPipeConfig.cpu_link_bytes_per_s`.")
+    debug_copy_delay_s = property(lambda self: self.config.debug_copy_delay_s, doc="`RoundPipeConfig.debug_copy_delay_s`.")
+    optimizer_mode = property(lambda self: self.config.optimizer, doc="`RoundPipeConfig.optimizer`.")
+    trace_every_n_steps = property(lambda self: self.config.trace_every_n_steps or 0,
+                                   doc="`RoundPipeConfig.trace_every_n_steps` (0: off).")
+    peak_flops = property(lambda self: self.config.peak_flops, doc="`RoundPipeConfig.peak_flops`.")
 
     # ------------------------------------------------------------------ precision
     @property
@@ -271,26 +246,19 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             self.partition.validate(len(seq))
         precision = self.precision_plugin
         devices = [torch.device(d) for d in (self.parallel_devices or [torch.device("cpu")])]
-        m = self.num_microbatches or len(devices) + 1
-        auto = self.partition_mode == "auto" and trainer.state.fn == TrainerFn.FITTING
         stage_memory = None
         if devices[0].type == "cuda":
             stage_memory = torch.cuda.get_device_properties(devices[0]).total_memory // 2  # double buffering
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self.engine = RoundPipeEngine(seq, devices, m, self.partition, precision.compute_dtype, precision.autocast_dtype,
-                                      auto_partition_after_steps=self.profile_steps if auto else None,
-                                      stage_memory_bytes=stage_memory, fused_loss=self.fused_loss,
-                                      chunk_bytes=self.chunk_bytes, microbatches_per_round=self.microbatches_per_round,
-                                      cpu_link_bytes_per_s=self.cpu_link_bytes_per_s,
-                                      debug_copy_delay_s=self.debug_copy_delay_s,
-                                      profile_steps=self.profile_steps if fitting else None,
-                                      loss_seed=precision.loss_seed)
+        self.engine = RoundPipeEngine.from_config(seq, devices, self.config, fitting=fitting,
+                                                  compute_dtype=precision.compute_dtype,
+                                                  autocast_dtype=precision.autocast_dtype,
+                                                  stage_memory_bytes=stage_memory, loss_seed=precision.loss_seed)
+        self.engine.info = rank_zero_info
+        self.engine.on_fused_call = self._warn_fused_once
+        self.engine.host_barrier = self.wait_for_optimizer
         self.engine.install()
-        log.info("RoundPipe: pipelining `%s` (%s, %d layers) on %d device(s), %d microbatches",
-                 type(seq.target).__name__, seq.family, len(seq), len(devices), m)
-        if self.fused_loss and seq.loss_key:
-            log.info("RoundPipe: fused path on: a training call with `labels` returns the loss only (`logits=None`);"
-                     " use `RoundPipeStrategy(fused_loss=False)` to get logits in `training_step`.")
+        self._announce(seq, devices, fitting)
         if fitting and self.optimizer_mode == "async":
             self._async = AsyncOptimizer()
             try:
@@ -305,6 +273,35 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             if not any(isinstance(c, RoundPipeMetricsCallback) for c in trainer.callbacks):
                 self._callback = RoundPipeMetricsCallback()
                 trainer.callbacks.append(self._callback)
+
+    def _announce(self, seq: Any, devices: list[torch.device], fitting: bool) -> None:
+        """``rank_zero_info`` of what is pipelined where (model, layers, devices, microbatches, the
+        stage table: with the fused loss on, the stages of a training call with ``labels``, the tail
+        fused); said again by a later ``fit``/``validate`` only when it changed."""
+        engine = self.engine
+        assert engine is not None
+        names = ", ".join(str(d) for d in devices)
+        fused = "on" if self.fused_loss and seq.loss_key else "off"
+        text = (f"RoundPipe: pipelining `{type(seq.target).__name__}` ({seq.family}, {len(seq)} layers) on"
+                f" {len(devices)} device(s) [{names}], {engine.num_microbatches} microbatches,"
+                f" precision {self.precision_plugin.precision}, optimizer {self.optimizer_mode!r}, fused loss {fused}\n"
+                + format_stage_table(engine.fused_stages if fused == "on" else engine.stages, seq.layer_names))
+        if text != self._announced:
+            self._announced = text
+            rank_zero_info(text)
+        if fitting and engine.auto_partition_after_steps is not None and not self._announced_auto:
+            self._announced_auto = True
+            rank_zero_info(f"RoundPipe: partition=\"auto\": these stages run for {engine.auto_partition_after_steps}"
+                           " profiled steps, then the stages are re-cut from the measured layer times.")
+
+    def _warn_fused_once(self) -> None:
+        if not self._warned_fused:
+            self._warned_fused = True
+            rank_zero_warn(
+                "RoundPipe runs this training call with `labels` on the fused path: forward, loss and backward run"
+                " inside the model's forward, and the output carries the loss only (reading `.logits` raises)."
+                " Use `RoundPipeStrategy(fused_loss=False)` to get logits in `training_step`."
+            )
 
     def _find_module(self) -> nn.Module:
         lm = self.lightning_module

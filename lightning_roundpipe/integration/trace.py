@@ -21,45 +21,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils import _pytree as pytree
 
+from lightning_roundpipe.config import DEFAULT_TRACE_EVERY_N_STEPS
 from lightning_roundpipe.metrics.timeline import Timeline
 from lightning_roundpipe.metrics.trace import HostSpan, join_timelines, write_trace
 from lightning_roundpipe.runtime.flops import layer_flops, peak_flops_per_s, recompute_flops, step_model_flops
 from lightning_roundpipe.schedule.program import OpKind, StreamProgram
 
-__all__ = ["DEFAULT_TRACE_EVERY_N_STEPS", "StepTracer", "check_peak_flops", "check_trace_every_n_steps",
-           "throughput_metrics"]
-
-DEFAULT_TRACE_EVERY_N_STEPS = 50
-
-
-def check_trace_every_n_steps(value: Any) -> int:
-    """``trace_every_n_steps`` as an int (0: off).
-
-    Raises:
-        ValueError: anything but ``None`` or an int >= 0.
-    """
-    if value is None:
-        return 0
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"`trace_every_n_steps` must be an int >= 0 or None, got {value!r}."
-                         f" HINT: {DEFAULT_TRACE_EVERY_N_STEPS} traces the first step after the profiled ones and every"
-                         f" {DEFAULT_TRACE_EVERY_N_STEPS}th after it; 0 or None turns tracing off.")
-    return value
-
-
-def check_peak_flops(value: Any) -> float | None:
-    """``peak_flops`` (FLOP/s of one device) as a float, or ``None``.
-
-    Raises:
-        ValueError: anything but ``None`` or a finite number > 0.
-    """
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-        raise ValueError(f"`peak_flops` must be a finite number of FLOP/s > 0 per device, or None, got {value!r}."
-                         " HINT: 165.2e12 is an RTX 4090's dense bf16 peak; None looks known GPUs up by name.")
-    return float(value)
-
+__all__ = ["StepTracer", "throughput_metrics"]
 
 # ---------------------------------------------------------------------------------------- throughput
 def batch_size_of(batch: Any) -> tuple[int, int | None, int | None]:

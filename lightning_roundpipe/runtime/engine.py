@@ -7,6 +7,7 @@ creates it, installs it and reads its metrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -17,6 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.adapters.base import LayerSequence
+from lightning_roundpipe.config import RoundPipeConfig
 from lightning_roundpipe.metrics.timeline import Timeline
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.autograd import attach
@@ -153,22 +155,111 @@ class RoundPipeEngine:
         self.profile_steps = auto_partition_after_steps or profile_steps
         if self.profile_steps is not None:
             self.executor.profiler = LayerProfiler(len(seq))
+        self.autocast_dtype = autocast_dtype
+        self.host_barrier: Callable[[], None] | None = None
+        """Called in the main thread before a host call (:meth:`host_forward`) reads the master weights
+        (the asynchronous optimizer waits there for the step in flight)."""
+        self.on_fused_call: Callable[[], None] | None = None
+        """Called in the main thread at every fused-path call, before it runs (the strategy warns once
+        that the output carries the loss only)."""
+        self.info: Callable[[str], None] = log.info
+        """Where the engine reports a new partition (the strategy passes Lightning's ``rank_zero_info``)."""
+        self._host_calls = threading.local()  # depth of `generate` calls in this thread
+        self._original_generate = None
+
+    @classmethod
+    def from_config(cls, seq: LayerSequence, devices: Sequence[torch.device], config: RoundPipeConfig, *,
+                    fitting: bool = True, compute_dtype: torch.dtype | None = None,
+                    autocast_dtype: torch.dtype | None = None, stage_memory_bytes: int | None = None,
+                    loss_seed: Callable[[], float] | None = None) -> "RoundPipeEngine":
+        """An engine with the fields of ``config`` (:class:`~lightning_roundpipe.RoundPipeConfig`).
+
+        ``num_microbatches=None`` becomes ``len(devices) + 1``; explicit ``forward_stages`` and
+        ``backward_stages`` become the partition; ``partition="auto"`` re-cuts the stages after
+        ``profile_steps`` steps, and the layers are profiled for the prediction, only when ``fitting``.
+        ``module``, ``optimizer``, ``trace_every_n_steps`` and ``peak_flops`` are the strategy's business and
+        not read here.
+
+        Raises:
+            ValueError: as :class:`RoundPipeEngine`.
+        """
+        partition = (PartitionPlan(config.forward_stages, config.backward_stages)
+                     if config.forward_stages is not None else None)
+        auto = fitting and partition is None and config.partition == "auto"
+        return cls(seq, devices, config.num_microbatches or len(devices) + 1, partition, compute_dtype, autocast_dtype,
+                   auto_partition_after_steps=config.profile_steps if auto else None,
+                   stage_memory_bytes=stage_memory_bytes, fused_loss=config.fused_loss,
+                   chunk_bytes=config.chunk_bytes, microbatches_per_round=config.microbatches_per_round,
+                   cpu_link_bytes_per_s=config.cpu_link_bytes_per_s, debug_copy_delay_s=config.debug_copy_delay_s,
+                   profile_steps=config.profile_steps if fitting else None, loss_seed=loss_seed)
 
     # ------------------------------------------------------------------ install / close
     def install(self) -> None:
-        """Replace ``seq.target.forward`` by :meth:`forward` (an instance attribute)."""
+        """Replace ``seq.target.forward`` by :meth:`forward` (an instance attribute); a target with a
+        ``generate`` method (Hugging Face ``GenerationMixin``) also gets a ``generate`` that runs every
+        forward it makes on the host (:meth:`host_forward`)."""
+        target = self.seq.target
         if self._original_forward is None:
-            self._original_forward = self.seq.target.__dict__.get("forward")
-            self.seq.target.forward = self.forward
+            self._original_forward = target.__dict__.get("forward")
+            target.forward = self.forward
+        if self._original_generate is None and callable(getattr(target, "generate", None)):
+            self._original_generate = target.__dict__.get("generate", False)  # False: the class's own
+            target.generate = self.generate
 
     def uninstall(self) -> None:
-        """Restore the target's own forward."""
+        """Restore the target's own forward (and ``generate``)."""
         target = self.seq.target
-        if target.__dict__.get("forward") is not None and getattr(target.__dict__["forward"], "__self__", None) is self:
-            del target.__dict__["forward"]
-            if self._original_forward is not None:
-                target.forward = self._original_forward
+        for name, original in (("forward", self._original_forward), ("generate", self._original_generate)):
+            current = target.__dict__.get(name)
+            if current is not None and getattr(current, "__self__", None) is self:
+                del target.__dict__[name]
+                if original:
+                    setattr(target, name, original)
         self._original_forward = None
+        self._original_generate = None
+
+    # ------------------------------------------------------------------ host calls (generation)
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The target's own ``generate``, with every forward it calls run by :meth:`host_forward`."""
+        target = self.seq.target
+        original = self._original_generate or type(target).generate.__get__(target)
+        depth = getattr(self._host_calls, "depth", 0)
+        self._host_calls.depth = depth + 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._host_calls.depth = depth
+
+    def host_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The target's original forward, un-pipelined, in the calling thread on the CPU master weights.
+
+        Used for ``generate()`` and for calls the pipeline cannot run (a KV cache: ``use_cache=True``,
+        ``cache``/``past_key_values``; hidden states, attentions...; the adapter's ``host_call``).
+        :attr:`host_barrier` runs first (the asynchronous optimizer's step in flight has landed); with
+        an autocast dtype (mixed precision) the call runs under CPU autocast, as the workers do.
+
+        Raises:
+            ValueError: with gradients enabled and trainable parameters (host calls have no pipelined
+                backward; ``generate()`` runs under ``torch.no_grad()``).
+        """
+        seq = self.seq
+        if torch.is_grad_enabled() and any(p.requires_grad for p in seq.parameters()):
+            given = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+            raise ValueError(
+                f"The pipelined `{seq.family}` model was called with gradients enabled and arguments the pipeline does"
+                f" not run ({', '.join(f'`{k}`' for k in given)}): such calls (a KV cache, `generate()`,"
+                " `inputs_embeds`, hidden states, attentions) run un-pipelined on the host, without a backward."
+                " HINT: call it under `torch.no_grad()` (as `generate()` does), or train with `input_ids`,"
+                " `attention_mask`, `position_ids` and `labels` only."
+            )
+        if self.host_barrier is not None:
+            self.host_barrier()
+        target = seq.target
+        original = self._original_forward or type(target).forward.__get__(target)
+        context = (torch.autocast("cpu", dtype=self.autocast_dtype) if self.autocast_dtype is not None
+                   else contextlib.nullcontext())
+        with context:
+            return original(*args, **kwargs)
 
     def close(self) -> None:
         """Uninstall, stop the worker threads and give frozen parameters held in the compute dtype
@@ -243,9 +334,12 @@ class RoundPipeEngine:
         backward runs the backward stages (the transparent path), or, when the model computes its
         own loss and ``fused_loss`` is on, the whole step runs here and the returned loss's backward
         only scales the gradient buffers into ``.grad`` (the fused path; ``logits`` is ``None``).
-        Otherwise only forward stages run and no activation is kept.
+        Otherwise only forward stages run and no activation is kept. Calls inside :meth:`generate`
+        and calls the adapter marks as host calls run :meth:`host_forward` instead.
         """
         seq = self.seq
+        if getattr(self._host_calls, "depth", 0) or (seq.host_call is not None and seq.host_call(args, kwargs)):
+            return self.host_forward(*args, **kwargs)
         carry = seq.prepare(args, kwargs)
         flat, carry_spec = pytree.tree_flatten(carry)
         grad_enabled = torch.is_grad_enabled()
@@ -370,6 +464,8 @@ class RoundPipeEngine:
         seed = 1.0 if self.loss_seed is None else float(self.loss_seed())
         if not (math.isfinite(seed) and seed > 0):
             raise ValueError(f"The fused path's `loss_seed()` must be a finite number > 0, got {seed!r}.")
+        if self.on_fused_call is not None:
+            self.on_fused_call()
         state.loss_seed = seed
         state.grad_sink = {}
         self._last_call = (m, True)
@@ -445,8 +541,8 @@ class RoundPipeEngine:
                 f"  stage {s.stage_index:3d} {s.kind:8s} layers {s.layers.start}..{s.layers.stop - 1}"
                 f"  cost {s.cost_s * 1e3:9.3f} ms  params {s.param_bytes / 2**20:9.2f} MiB"
                 for s in describe_stages(new, profiles))
-            log.info("RoundPipe: automatic partition from %d measured steps (objective %.3f ms):\n%s",
-                     prof.steps_seen - prof.skip_steps, (new.objective_s or 0.0) * 1e3, rows)
+            self.info(f"RoundPipe: automatic partition from {prof.steps_seen - prof.skip_steps} measured steps"
+                      f" (objective {(new.objective_s or 0.0) * 1e3:.3f} ms):\n{rows}")
             self.set_partition(new)
         return new
 
@@ -479,8 +575,8 @@ class RoundPipeEngine:
                     candidates.append(PartitionPlan(fwd, bwd, plan_objective_s(uniform, profiles, len(self.backends))))
         timed = [(self._simulated_step_s(c, profiles), i) for i, c in enumerate(candidates)]
         best_s, best = min(timed)
-        log.info("RoundPipe: simulated step of %d candidate partitions: %.1f .. %.1f ms; chose candidate %d (%.1f ms)",
-                 len(timed), best_s * 1e3, max(t for t, _ in timed) * 1e3, best, best_s * 1e3)
+        self.info(f"RoundPipe: simulated step of {len(timed)} candidate partitions: {best_s * 1e3:.1f} .."
+                  f" {max(t for t, _ in timed) * 1e3:.1f} ms; chose candidate {best} ({best_s * 1e3:.1f} ms)")
         return candidates[best]
 
     def _simulated_step_s(self, partition: PartitionPlan, profiles) -> float:

@@ -1,0 +1,214 @@
+"""The strategy's arguments as one typed config: :class:`RoundPipeConfig`.
+
+Pure data (no torch, no Lightning: importable alone, DESIGN.md section 3), shared by
+
+- :class:`~lightning_roundpipe.RoundPipeStrategy`: its keyword arguments build a config
+  (``RoundPipeStrategy(num_microbatches=4)``), or take one (``RoundPipeStrategy(config=RoundPipeConfig(...))``);
+- :class:`~lightning_roundpipe.runtime.engine.RoundPipeEngine`
+  (:meth:`~lightning_roundpipe.runtime.engine.RoundPipeEngine.from_config`);
+- ``conf/strategy/roundpipe.yaml``: one key per field, so every field can be set from the command line
+  (``strategy.fused_loss=false strategy.optimizer=async``); a test checks the keys equal the fields.
+
+Every field is validated once, in :meth:`RoundPipeConfig.__post_init__`, with Lightning-style errors
+(the backticked name, the valid options and a HINT).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+"""Default largest weight upload chunk, bytes (64 MiB; the same as ``schedule.lower.DEFAULT_CHUNK_BYTES``)."""
+
+DEFAULT_TRACE_EVERY_N_STEPS = 50
+"""Default batches between two step traces (:attr:`RoundPipeConfig.trace_every_n_steps`)."""
+
+PARTITION_MODES = ("auto", "default")
+OPTIMIZER_MODES = ("sync", "async")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_positive(name: str, value: Any, integer: bool, hint: str) -> None:
+    ok = _is_int(value) if integer else _is_number(value)
+    if not ok or not value > 0 or not math.isfinite(value):
+        kind = "a positive int" if integer else "a positive finite number"
+        raise ValueError(f"`{name}` must be {kind}, got {value!r}. HINT: {hint}.")
+
+
+def _as_ranges(name: str, stages: Any) -> tuple[range, ...] | None:
+    """``None``, or ``stages`` (``range`` s or ``(start, stop)`` pairs, e.g. lists from YAML) as ranges."""
+    if stages is None:
+        return None
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):
+        raise TypeError(f"`{name}` must be a list of `range`s or `(start, stop)` pairs, got {stages!r}."
+                        " HINT: forward_stages=[(0, 3), (3, 6)] covers layers 0..5 in two stages.")
+    out = []
+    for stage in stages:
+        if isinstance(stage, range):
+            out.append(stage)
+        elif (isinstance(stage, Sequence) and not isinstance(stage, (str, bytes)) and len(stage) == 2
+              and all(_is_int(v) for v in stage)):
+            out.append(range(stage[0], stage[1]))
+        else:
+            raise TypeError(
+                f"`{name}` entries must be `range`s or `(start, stop)` pairs of layer indices, got {stage!r}."
+                " HINT: forward_stages=[(0, 3), (3, 6)] covers layers 0..5 in two stages;"
+                " from the command line: strategy.forward_stages=[[0,3],[3,6]]."
+            )
+    return tuple(out)
+
+
+@dataclass(kw_only=True, frozen=True)
+class RoundPipeConfig:
+    """Arguments of RoundPipe pipeline training (arXiv 2604.27085), validated at construction.
+
+    Raises:
+        ValueError: for a value out of range or not among the valid options (named in the message).
+        TypeError: for an ill-typed ``module``, ``fused_loss`` or stage list.
+    """
+
+    num_microbatches: int | None = None
+    """``int >= 1`` or ``None``; default ``None``: the number of devices + 1. Microbatches each batch is cut
+    into along dim 0 (paper section 3: bubbles nearly vanish once microbatches >= devices + 1)."""
+
+    module: str | None = None
+    """``str`` or ``None``; default ``None``: the one child of the LightningModule that is a supported model
+    (HF causal LM, also under PEFT, or ``nn.Sequential``). Attribute of the LightningModule to pipeline
+    (dotted paths allowed)."""
+
+    partition: str = "auto"
+    """``"auto"`` or ``"default"``; default ``"auto"``: run the simple partition (forward stages of 3
+    layers, backward stages of 1) while every layer is profiled for ``profile_steps`` training steps,
+    then re-cut the stages with the automatic partitioner (DESIGN.md section 6); ``"default"``: keep the
+    simple partition. Ignored when ``forward_stages``/``backward_stages`` are given."""
+
+    profile_steps: int = 3
+    """``int >= 2``, training steps; default 3. Steps profiled per layer before the automatic partition
+    and the simulator's ``roundpipe/predicted_step(s)`` (the first is warm-up and dropped)."""
+
+    fused_loss: bool = True
+    """``bool``; default ``True``. When the model computes its own loss (HF causal LM called with
+    ``labels``), run forward stages, the fused tail (last layers, LM head and loss: never recomputed,
+    logits never leave the device) and the backward stages as one plan inside the forward call; the
+    output then carries the loss only (reading ``.logits`` raises). ``False``: always the
+    autograd-transparent path, which returns logits."""
+
+    forward_stages: tuple[range, ...] | None = None
+    """``range`` s or ``(start, stop)`` pairs of layer indices (ascending, tiling the layer sequence), or
+    ``None``; default ``None``. Explicit forward stage boundaries (overrides ``partition``; needs
+    ``backward_stages``). From the command line: ``strategy.forward_stages=[[0,3],[3,6]]``."""
+
+    backward_stages: tuple[range, ...] | None = None
+    """Like ``forward_stages``, in execution order (the tail, i.e. the last layers, first); default ``None``."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """``int > 0``, bytes; default 67108864 (64 MiB). Largest weight upload chunk; activation uploads go
+    between chunks (paper section 3.3)."""
+
+    microbatches_per_round: int | None = None
+    """``int > 0`` or ``None``, microbatches; default ``None``: one round, every stage loaded once per
+    step. Dispatch the microbatches in rounds of at most this many (the paper's artifact uses rounds of
+    ``devices``)."""
+
+    cpu_link_bytes_per_s: float | None = None
+    """``float > 0`` or ``None``, bytes/s per direction; default ``None``: copies at memory speed. CPU
+    virtual devices only: every copy takes ``bytes / rate``, so a CPU run reproduces a PCIe-bound regime
+    (``25e9`` models PCIe 4.0 x16 one way)."""
+
+    debug_copy_delay_s: float = 0.0
+    """``float >= 0``, seconds; default 0 (off). CPU virtual devices only, for debugging the runtime:
+    every copy lands this many seconds late and its destination holds NaN meanwhile, so a missing
+    dependency shows up as a wrong result."""
+
+    optimizer: str = "sync"
+    """``"sync"`` or ``"async"``; default ``"sync"``: Lightning's exact semantics, the optimizer step runs
+    between two pipelines. ``"async"``: the paper's mode (section 4): the CPU optimizer step of step k
+    runs on a background thread while the pipeline of step k+1 runs on the weights from before it."""
+
+    trace_every_n_steps: int | None = DEFAULT_TRACE_EVERY_N_STEPS
+    """``int >= 0`` or ``None``, training batches; default 50. Write a Chrome/Perfetto trace and a timeline
+    PNG (measured step beside the simulator's) of one training batch every this many batches, counted from
+    the first batch after the profiled steps, into ``<trainer.log_dir>/roundpipe/`` and to W&B
+    (``docs/usage.md``, *Traces*); ``0`` or ``None``: off."""
+
+    peak_flops: float | None = None
+    """``float > 0`` or ``None``, FLOP/s of one device in the compute dtype (dense); default ``None``:
+    looked up by GPU name (``runtime.flops.PEAK_FLOPS``), no ``roundpipe/mfu(%)`` on CPU."""
+
+    def __post_init__(self) -> None:
+        n = self.num_microbatches
+        if n is not None and (not _is_int(n) or n < 1):
+            raise ValueError(f"`num_microbatches` must be a positive int or None (devices + 1), got {n!r}."
+                             " HINT: e.g. `num_microbatches=9` for 8 devices.")
+        if self.module is not None and not isinstance(self.module, str):
+            raise TypeError(f"`module` must be the name of a LightningModule attribute (str) or None,"
+                            f" got {type(self.module).__name__}. HINT: `module='model'` for `self.model`.")
+        if self.partition not in PARTITION_MODES:
+            raise ValueError(f"`partition` must be one of {list(PARTITION_MODES)}, got {self.partition!r}."
+                             " HINT: pass explicit stages with `forward_stages=` and `backward_stages=`.")
+        if not _is_int(self.profile_steps) or self.profile_steps < 2:
+            raise ValueError(f"`profile_steps` must be an int >= 2 (the first step is warm-up),"
+                             f" got {self.profile_steps!r}. HINT: the default is 3.")
+        if not isinstance(self.fused_loss, bool):
+            raise TypeError(f"`fused_loss` must be a bool, got {self.fused_loss!r}."
+                            " HINT: `fused_loss=False` returns logits from a training call with `labels`.")
+        fwd = _as_ranges("forward_stages", self.forward_stages)
+        bwd = _as_ranges("backward_stages", self.backward_stages)
+        if (fwd is None) != (bwd is None):
+            raise ValueError("Pass both `forward_stages` and `backward_stages`, or neither (default partition)."
+                             " HINT: backward_stages=[(3, 6), (0, 3)] lists the tail first.")
+        object.__setattr__(self, "forward_stages", fwd)
+        object.__setattr__(self, "backward_stages", bwd)
+        _check_positive("chunk_bytes", self.chunk_bytes, integer=True, hint="e.g. 64 * 2**20 (64 MiB)")
+        if self.microbatches_per_round is not None:
+            _check_positive("microbatches_per_round", self.microbatches_per_round, integer=True,
+                            hint="e.g. the number of devices")
+        if self.cpu_link_bytes_per_s is not None:
+            _check_positive("cpu_link_bytes_per_s", self.cpu_link_bytes_per_s, integer=False,
+                            hint="25e9 models PCIe 4.0 x16 one way")
+        delay = self.debug_copy_delay_s
+        if not _is_number(delay) or not 0 <= delay < math.inf:
+            raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {delay!r}."
+                             " HINT: 0.05 makes a missing dependency show; 0 turns the delay off.")
+        object.__setattr__(self, "debug_copy_delay_s", float(delay))
+        if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZER_MODES:
+            raise ValueError(
+                f"`optimizer` must be one of {list(OPTIMIZER_MODES)}, got {self.optimizer!r}. HINT: 'sync' (default)"
+                " keeps Lightning's exact semantics; 'async' overlaps the CPU optimizer step with the next step's"
+                " pipeline (weights one step stale, RoundPipe paper section 4)."
+            )
+
+        every = self.trace_every_n_steps
+        if every is not None and (not _is_int(every) or every < 0):
+            raise ValueError(f"`trace_every_n_steps` must be an int >= 0 or None, got {every!r}."
+                             f" HINT: {DEFAULT_TRACE_EVERY_N_STEPS} traces the first step after the profiled ones and"
+                             f" every {DEFAULT_TRACE_EVERY_N_STEPS}th after it; 0 or None turns tracing off.")
+        peak = self.peak_flops
+        if peak is not None:
+            if not _is_number(peak) or not 0 < peak < math.inf:
+                raise ValueError(f"`peak_flops` must be a finite number of FLOP/s > 0 per device, or None, got {peak!r}."
+                                 " HINT: 165.2e12 is an RTX 4090's dense bf16 peak; None looks known GPUs up by name.")
+            object.__setattr__(self, "peak_flops", float(peak))
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The fields, in declaration order (the keys of ``conf/strategy/roundpipe.yaml`` besides ``_target_``)."""
+        return tuple(f.name for f in fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain data (stages as ``[start, stop]`` lists), e.g. for logged hyperparameters."""
+        out = asdict(self)
+        for key in ("forward_stages", "backward_stages"):
+            if out[key] is not None:
+                out[key] = [[r.start, r.stop] for r in out[key]]
+        return out
