@@ -214,6 +214,10 @@ class MoeParts:
     def finalize(self, merged: dict) -> Any:
         from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
+        if "logits" not in merged:  # the fused path: the loss (and the load-balancing loss's value) only
+            from lightning_roundpipe.adapters.hf_outputs import FusedMoeCausalLMOutput
+
+            return FusedMoeCausalLMOutput(loss=merged.get("loss"), aux_loss=merged.get("aux_loss"))
         return MoeCausalLMOutputWithPast(loss=merged.get("loss"), aux_loss=merged.get("aux_loss"),
                                          logits=merged.get("logits"))
 
