@@ -18,6 +18,7 @@ from lightning_roundpipe.schedule.lower import lower
 from lightning_roundpipe.schedule.plan import ExecutionPlan, StageSpec
 from lightning_roundpipe.schedule.program import Op, OpKind, StreamProgram
 from lightning_roundpipe.schedule.roundpipe import build_roundpipe_plan, build_stages
+from lightning_roundpipe.simulate.table import build_schedule_plan, layer_profiles
 from lightning_roundpipe.simulate import (
     PAPER_DATA_FILES,
     SimulationResult,
@@ -457,6 +458,30 @@ def test_cli_small_table_and_plot(tmp_path):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rc, out = _run_cli("--layer-timings", str(p), "--devices", "2", "--microbatches", "4")
     assert rc == 0 and "roundpipe_steady" in out and "tiny" in out.splitlines()[0]
+
+
+def test_cli_plot_draws_one_steady_iteration_beside_one_iteration_rows(tmp_path, monkeypatch):
+    """The picture compares like with like: the steady-state panel is one iteration long (the window
+    the simulator measures spans several), with the bubble table's per-iteration time."""
+    import lightning_roundpipe.metrics.plot as plot_module
+
+    drawn = {}
+    monkeypatch.setattr(plot_module, "plot_timelines", lambda panels, path, **kw: drawn.update(panels) or Path(path))
+    p = tmp_path / "t.csv"
+    p.write_text(SMALL_CSV)
+    rc, _ = _run_cli("--layer-timings", str(p), "--devices", "2", "--microbatches", "4", "--plot", str(tmp_path / "x.png"),
+                     "--schedules", "roundpipe_one_iteration", "roundpipe_steady")
+    assert rc == 0
+    (steady_name,) = [name for name in drawn if "roundpipe_steady" in name]
+    assert "one steady-state iteration" in steady_name
+    one, steady = drawn["tiny roundpipe_one_iteration"], drawn[steady_name]
+    timings = read_layer_timings(p)[0]
+    plan = build_schedule_plan("roundpipe_steady", layer_profiles(timings), 2, 4)
+    res = simulate(plan, layer_profiles(timings), comm_s_per_hop=timings.comm_s_per_hop, steady_state=True)
+    assert res.num_iterations >= 2
+    assert steady.wall_s == pytest.approx(res.iteration_s) and max(iv.end_s for iv in steady.intervals) <= res.iteration_s
+    # steady state hides fill and drain: one steady iteration is no longer than the isolated iteration
+    assert steady.wall_s <= one.span_s() * (1 + 1e-9)
 
 
 def test_cli_marks_unbuildable_rows_na(tmp_path, capsys):

@@ -151,7 +151,20 @@ def _plot(args: argparse.Namespace, timings: list, recompute: bool) -> int:
         except ValueError:
             continue  # already reported as n/a
         res = simulate(plan, prof, comm_s_per_hop=t.comm_s_per_hop, steady_state=s == "roundpipe_steady")
-        panels[f"{t.model} {s}"] = res.timeline
-    out = plot_timelines(panels, args.plot)
+        timeline, name = res.timeline, f"{t.model} {s}"
+        if res.num_iterations > 1:  # like with like: one iteration of the steady state beside one-iteration rows
+            timeline, name = _first_iteration(timeline, res.iteration_s), f"{name} (one steady-state iteration)"
+        panels[name] = timeline
+    out = plot_timelines(panels, args.plot, share_time_axis=True)
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _first_iteration(timeline, iteration_s: float):
+    """The first ``iteration_s`` seconds of a steady-state window (spans crossing the end are cut)."""
+    from dataclasses import replace
+
+    from lightning_roundpipe.metrics.timeline import Timeline
+
+    spans = [replace(iv, end_s=min(iv.end_s, iteration_s)) for iv in timeline.intervals if iv.start_s < iteration_s]
+    return Timeline(timeline.num_devices, spans, wall_s=iteration_s)
