@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from lightning_roundpipe import _register  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["RoundPipeMetricsCallback", "RoundPipePrecision", "RoundPipeStrategy", "__version__"]
+__all__ = ["DataParallel", "RoundPipeMetricsCallback", "RoundPipePrecision", "RoundPipeStrategy", "__version__"]
 
 _LAZY = {
+    "DataParallel": "lightning_roundpipe.integration.data_parallel",
     "RoundPipeMetricsCallback": "lightning_roundpipe.integration.callbacks",
     "RoundPipePrecision": "lightning_roundpipe.integration.precision",
     "RoundPipeStrategy": "lightning_roundpipe.integration.strategy",
 }
 
 if TYPE_CHECKING:
-    from lightning_roundpipe.integration import RoundPipeMetricsCallback, RoundPipePrecision, RoundPipeStrategy
+    from lightning_roundpipe.integration import DataParallel, RoundPipeMetricsCallback, RoundPipePrecision, RoundPipeStrategy
 
 
 def __getattr__(name: str) -> Any:

@@ -1,28 +1,35 @@
 """`RoundPipeStrategy`: ``Trainer(strategy="roundpipe")``.
 
-A single-process strategy: the LightningModule (its parameters are the master weights), the
+One process per node (a ``ParallelStrategy`` with ``world_size = num_nodes``; with one node no
+process group is made): the LightningModule (its parameters are the master weights), the
 optimizer and the batches stay on the CPU; ``parallel_devices`` are the stateless workers the
 :class:`~lightning_roundpipe.runtime.engine.RoundPipeEngine` dispatches stages to round-robin. The
 strategy only adapts Lightning's hooks: find the module, build the engine in ``setup``, install the
 pipelined forward, and close it in ``teardown``; with ``optimizer="async"`` it also hands the
-optimizer steps to :class:`~lightning_roundpipe.integration.async_step.AsyncOptimizer`.
+optimizer steps to :class:`~lightning_roundpipe.integration.async_step.AsyncOptimizer`. Across
+nodes the host gradients are averaged before the optimizer step
+(:mod:`~lightning_roundpipe.integration.data_parallel`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Generator, Sequence
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _distributed_is_initialized
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
 from lightning_roundpipe.adapters import is_supported, make_layer_sequence
+from lightning_roundpipe.integration import data_parallel as dp
 from lightning_roundpipe.integration.async_step import AsyncOptimizer, check_optimizer_mode
 from lightning_roundpipe.integration.precision import RoundPipePrecision
 from lightning_roundpipe.partition.types import PartitionPlan
@@ -58,7 +65,7 @@ def _check_positive(name: str, value: Any, integer: bool, hint: str) -> None:
         raise ValueError(f"`{name}` must be {kind}, got {value!r}. HINT: {hint}.")
 
 
-class RoundPipeStrategy(SingleDeviceStrategy):
+class RoundPipeStrategy(ParallelStrategy):
     """RoundPipe pipeline training (arXiv 2604.27085) for Lightning.
 
     Args:
@@ -95,7 +102,12 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             "RoundPipe-sync"): the CPU optimizer step of step k runs on a background thread while
             the pipeline of step k+1 runs on the weights from before it; see *Asynchronous
             optimizer* below.
-        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning strategies;
+        data_parallel: :class:`~lightning_roundpipe.integration.data_parallel.DataParallel`
+            settings of the data parallelism across nodes (``Trainer(num_nodes=N)``, one process
+            per node: process group timeout, all-reduce bucket size, overlap, global token count);
+            default ``DataParallel()``. Ignored with one node.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
+            Lightning strategies;
             ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``,
             the precision plugin from ``Trainer(precision=...)``: Lightning's plugin is wrapped in a
             :class:`~lightning_roundpipe.RoundPipePrecision` (``16-mixed`` on the CPU computes in
@@ -157,8 +169,10 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         cpu_link_bytes_per_s: float | None = None,
         debug_copy_delay_s: float = 0.0,
         optimizer: str = "sync",
+        data_parallel: dp.DataParallel | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
     ) -> None:
@@ -191,8 +205,14 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             raise ValueError("Pass both `forward_stages` and `backward_stages`, or neither (default partition).")
         # the plugin used while none is set; not stored in `_precision_plugin`, which Lightning reads as the user's choice
         self._default_precision = RoundPipePrecision()
-        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self.parallel_devices = parallel_devices
+        if data_parallel is not None and not isinstance(data_parallel, dp.DataParallel):
+            raise TypeError(f"`data_parallel` must be a `DataParallel` or None, got {type(data_parallel).__name__}."
+                            " HINT: `RoundPipeStrategy(data_parallel=DataParallel(timeout_s=60))`.")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self._num_nodes = 1
+        self.data_parallel = data_parallel or dp.DataParallel()
+        self.data_parallel_sync: dp.DataParallelSync | None = None
         self.num_microbatches = num_microbatches
         self.module_name = module
         fwd, bwd = _as_ranges("forward_stages", forward_stages), _as_ranges("backward_stages", backward_stages)
@@ -222,33 +242,98 @@ class RoundPipeStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ devices
     @property
+    @override
+    def root_device(self) -> torch.device:
+        """The CPU: the master weights, the optimizer and the batches live there."""
+        return torch.device("cpu")
+
+    @property
     def num_nodes(self) -> int:
-        """Always 1: RoundPipe is a single-process, single-machine strategy."""
-        return 1
+        """Nodes = processes: one RoundPipe process per node (``world_size == num_nodes``)."""
+        return self._num_nodes
 
     @num_nodes.setter
     def num_nodes(self, value: int) -> None:
-        if value != 1:
-            raise ValueError(
-                f"`RoundPipeStrategy` runs in one process on one machine; got `num_nodes={value}`."
-                " HINT: use `Trainer(num_nodes=1, devices=N)` with the N GPUs (or CPU virtual devices) of this machine."
-            )
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`num_nodes` must be a positive int, got {value!r}.")
+        self._num_nodes = value
 
     @property
     def num_devices(self) -> int:
-        """Number of pipeline devices (workers)."""
+        """Number of pipeline devices (workers) of this node."""
         return len(self.parallel_devices or [torch.device("cpu")])
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one process (Lightning then adds a ``DistributedSampler``)."""
+        return self.world_size > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        dp.set_world_ranks(self)
 
     @override
     def setup_environment(self) -> None:
         assert self.accelerator is not None
+        if self.world_size > 1:
+            dp.setup_distributed(self, self.data_parallel)
         devices = self.parallel_devices or [torch.device("cpu")]
         # the master weights live on the CPU; the accelerator is set up for the first worker device
         self.accelerator.setup_device(devices[0])
 
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ collectives (no-ops in one process)
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor) and _distributed_is_initialized():
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        if not _distributed_is_initialized():
+            return tensor
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator:
+        """Accumulating batches do not synchronise gradients (as DDP's ``no_sync``)."""
+        sync = self.data_parallel_sync
+        if sync is None:
+            yield None
+            return
+        sync.sync = False
+        try:
+            yield None
+        finally:
+            sync.sync = True
+
     # ------------------------------------------------------------------ setup / teardown
     @override
     def setup(self, trainer: Any) -> None:
+        dp.warn_devices_auto(trainer)
         super().setup(trainer)
         target = self._find_module()
         seq = make_layer_sequence(target)
@@ -284,6 +369,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
                 self._async.uninstall()
                 self._async = None
                 raise
+        if fitting and self.world_size > 1:
+            self.data_parallel_sync = dp.DataParallelSync(self.engine, self.lightning_module, self.data_parallel)
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_roundpipe.integration.callbacks import RoundPipeMetricsCallback
 
@@ -349,6 +436,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
         self.wait_for_optimizer()  # the pipeline's gradients waited already; anything else written now is safe
+        if self.data_parallel_sync is not None:
+            self.data_parallel_sync.after_backward()  # before clipping and the optimizer step: the global gradient
         return out
 
     @override
@@ -376,10 +465,18 @@ class RoundPipeStrategy(SingleDeviceStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if self._async is not None:
             self._async.wait(raise_errors=False)
+        if self.world_size > 1 and _distributed_is_initialized():
+            # close this rank's connections: the other ranks' next collective fails within seconds
+            log.error("RoundPipe: rank %d failed (%s); leaving the process group so that every rank stops",
+                      self.global_rank, type(exception).__name__)
+            torch.distributed.destroy_process_group()
         super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
+        if self.data_parallel_sync is not None:
+            self.data_parallel_sync.close()
+            self.data_parallel_sync = None
         if self._async is not None:
             self._async.uninstall()
             self._async = None
@@ -401,4 +498,4 @@ class RoundPipeStrategy(SingleDeviceStrategy):
 
     def __repr__(self) -> str:
         return (f"RoundPipeStrategy(num_microbatches={self.num_microbatches}, module={self.module_name!r},"
-                f" devices={self.num_devices}, optimizer={self.optimizer_mode!r})")
+                f" devices={self.num_devices}, num_nodes={self.num_nodes}, optimizer={self.optimizer_mode!r})")

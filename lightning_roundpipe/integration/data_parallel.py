@@ -1,0 +1,215 @@
+"""Data parallelism across nodes for :class:`~lightning_roundpipe.RoundPipeStrategy` (Lightning side).
+
+One RoundPipe process per node (its GPUs, or CPU virtual devices, are the pipeline's workers; its
+host memory holds the masters), ``world_size = num_nodes`` processes in a ``torch.distributed``
+process group (gloo: the gradients live on the host). The strategy calls the helpers here from
+Lightning's hooks; the gradient averaging itself is
+:class:`~lightning_roundpipe.runtime.allreduce.GradientAllReduce`.
+
+Launch, as for Lightning's multi-node DDP with one process per node:
+
+- a plain cluster: on node ``k`` of ``N``,
+  ``MASTER_ADDR=<node 0> MASTER_PORT=29500 NODE_RANK=k python train.py`` with
+  ``Trainer(strategy="roundpipe", num_nodes=N, devices=<GPUs per node>)``
+  (:class:`~lightning.fabric.plugins.environments.LightningEnvironment`), or
+  ``torchrun --nnodes N --nproc-per-node 1 --node-rank k --master-addr <node 0> --master-port 29500 train.py``
+  (:class:`~lightning.fabric.plugins.environments.TorchElasticEnvironment`);
+- SLURM: ``srun`` with ``--ntasks-per-node=1`` (:class:`~lightning.fabric.plugins.environments.SLURMEnvironment`;
+  ``conf/hydra/launcher/submitit_slurm.yaml``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+from lightning_roundpipe.runtime.allreduce import DEFAULT_BUCKET_BYTES, GradientAllReduce, global_item_count
+
+
+@dataclass(kw_only=True)
+class DataParallel:
+    """Settings of the data parallelism across nodes (used only when ``world_size > 1``).
+
+    Attributes:
+        timeout_s: the process group's timeout, seconds: a collective that waits longer for a
+            peer raises on every rank still alive (gloo; default 1800 as torch's
+            ``default_pg_timeout``). A process that exits or is killed closes its connections, so
+            its peers fail at their next collective within seconds whatever this is.
+        bucket_bytes: largest all-reduce bucket, bytes of fp32 gradients (default 25 MiB, as
+            DistributedDataParallel's ``bucket_cap_mb``).
+        overlap: start a bucket's all-reduce as soon as its layers' gradients are complete, while
+            the backward stages of earlier layers still run (transparent path with
+            ``optimizer="sync"``); ``False``: all buckets after the backward.
+        global_num_items: Hugging Face causal LMs called with ``labels`` and no
+            ``num_items_in_batch``: normalise the loss by the label tokens of the *global* batch
+            (all-reduced; :func:`~lightning_roundpipe.runtime.allreduce.global_item_count`), so the
+            averaged gradient equals one process on the global batch also with unequal token
+            counts per process (as transformers' Trainer does for DDP). ``False``: each process
+            normalises by its own batch (as plain DDP would).
+    """
+
+    timeout_s: float = 1800.0
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    overlap: bool = True
+    global_num_items: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"`DataParallel(timeout_s=...)` must be a positive number of seconds, got {self.timeout_s!r}."
+                             " HINT: 1800 (torch's default); a few seconds only in tests.")
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"`DataParallel(bucket_bytes=...)` must be a positive int, got {self.bucket_bytes!r}."
+                             " HINT: 25 * 2**20 (25 MiB, as DDP).")
+        for name in ("overlap", "global_num_items"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`DataParallel({name}=...)` must be a bool, got {getattr(self, name)!r}.")
+
+
+def set_world_ranks(strategy: Any) -> None:
+    """One process per node: ``global_rank = node_rank + local_rank``, ``world_size = num_nodes``
+    (as ``DDPStrategy.set_world_ranks`` with one process per node)."""
+    env = strategy.cluster_environment
+    if env is not None:
+        env.set_global_rank(strategy.node_rank + strategy.local_rank)
+        env.set_world_size(strategy.num_nodes)
+    rank_zero_only.rank = strategy.global_rank
+
+
+def setup_distributed(strategy: Any, config: DataParallel) -> None:
+    """Check the cluster environment and open the gloo process group (``world_size > 1`` only).
+
+    Raises:
+        ValueError: when the environment's world size is not ``num_nodes`` (one process per node),
+            or, with Lightning's own environment, ``MASTER_PORT`` is not set (every process would
+            pick its own free port).
+    """
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    env = strategy.cluster_environment
+    env.validate_settings(num_devices=1, num_nodes=strategy.num_nodes)
+    if isinstance(env, LightningEnvironment) and "MASTER_PORT" not in os.environ:
+        raise ValueError(
+            f"`Trainer(strategy='roundpipe', num_nodes={strategy.num_nodes})` runs one process per node; they meet at"
+            " `MASTER_ADDR:MASTER_PORT`, and `MASTER_PORT` is not set."
+            " HINT: on node k run `MASTER_ADDR=<node 0> MASTER_PORT=29500 NODE_RANK=k python train.py`, or use"
+            " `torchrun --nnodes N --nproc-per-node 1 ...` or SLURM (`srun --ntasks-per-node=1`)."
+        )
+    if strategy.world_size != strategy.num_nodes:
+        raise ValueError(
+            f"RoundPipe runs one process per node: the cluster environment has world size {strategy.world_size}"
+            f" for `num_nodes={strategy.num_nodes}`. HINT: start one process per node (`--ntasks-per-node=1`,"
+            " `torchrun --nproc-per-node 1`) and set `Trainer(num_nodes=<processes>)`."
+        )
+    _init_dist_connection(env, "gloo", timeout=datetime.timedelta(seconds=config.timeout_s))
+    rank_zero_info(f"RoundPipe: data parallel over {strategy.world_size} processes (one per node, gloo),"
+                   f" {strategy.num_devices} pipeline device(s) each")
+
+
+def warn_devices_auto(trainer: Any) -> None:
+    """A pipeline of one CPU virtual device (what ``devices="auto"`` gives on the CPU: Lightning
+    resolves ``"auto"`` to 1 before the strategy sees it) runs every stage on one compute thread:
+    warn, naming ``devices=N`` (a ``PossibleUserWarning``, silenced like Lightning's own)."""
+    devices = trainer.strategy.parallel_devices or [torch.device("cpu")]
+    if len(devices) == 1 and torch.device(devices[0]).type == "cpu":
+        rank_zero_warn(
+            "RoundPipe pipelines over 1 CPU virtual device (what `devices='auto'` gives with `accelerator='cpu'`):"
+            " every stage runs on one compute thread. HINT: pass `Trainer(devices=N)` for N CPU virtual devices.",
+            category=PossibleUserWarning,
+        )
+
+
+class DataParallelSync:
+    """The per-fit state of the gradient synchronisation: the bucketed all-reduce, the executor
+    hook that starts buckets during the backward, and the global ``num_items_in_batch``.
+
+    Args:
+        engine: the strategy's :class:`~lightning_roundpipe.runtime.engine.RoundPipeEngine`.
+        lightning_module: its trainable parameters outside the pipelined model are reduced too.
+        config: :class:`DataParallel`.
+    """
+
+    def __init__(self, engine: Any, lightning_module: torch.nn.Module, config: DataParallel) -> None:
+        self.engine = engine
+        self.lightning_module = lightning_module
+        self.config = config
+        layer_params = [[p for p in layer.parameters() if p.requires_grad] for layer in engine.seq.layers]
+        self.reducer = GradientAllReduce(layer_params, bucket_bytes=config.bucket_bytes)
+        self._original_prepare = None
+        if config.overlap:
+            engine.executor.grads_final_hook = self.reducer.layers_final
+        if config.global_num_items and engine.seq.loss_key:
+            self._install_global_count()
+
+    def _install_global_count(self) -> None:
+        seq = self.engine.seq
+        original = self._original_prepare = seq.prepare
+
+        def prepare(args: tuple, kwargs: dict) -> dict:
+            carry = original(args, kwargs)
+            if (torch.is_grad_enabled() and "num_items_in_batch" in carry
+                    and kwargs.get("num_items_in_batch") is None):
+                carry["num_items_in_batch"] = global_item_count(carry["num_items_in_batch"])
+            return carry
+
+        seq.prepare = prepare
+
+    @property
+    def sync(self) -> bool:
+        return self.reducer.sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self.reducer.sync = value
+
+    def after_backward(self) -> None:
+        """Average the gradients (when this backward synchronises): wait for the overlapped buckets,
+        reduce the rest."""
+        if not self.reducer.sync:
+            return
+        extra = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        self.reducer.finish(extra)
+
+    def metrics(self) -> dict[str, float]:
+        """``roundpipe/allreduce(s)`` and ``roundpipe/allreduce(bytes)`` since the last call."""
+        stats = self.reducer.pop_stats()
+        return {"roundpipe/allreduce(s)": stats.seconds, "roundpipe/allreduce(bytes)": float(stats.bytes)}
+
+    def close(self) -> None:
+        self.reducer.discard()
+        if self.engine.executor.grads_final_hook == self.reducer.layers_final:
+            self.engine.executor.grads_final_hook = None
+        if self._original_prepare is not None:
+            self.engine.seq.prepare = self._original_prepare
+            self._original_prepare = None
+
+
+def node_metrics(strategy: Any, metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics rank 0 logs: with one process, ``metrics`` unchanged; with several, every
+    process's keys with its node in them (``roundpipe/node1/device0/bubble(%)``), gathered to
+    rank 0 (``all_gather_object``: a collective, every process calls it), plus the largest
+    ``roundpipe/allreduce(s)`` over the nodes and ``roundpipe/allreduce(bytes)`` (the same on every
+    node). Ranks other than 0 get ``{}``."""
+    sync = getattr(strategy, "data_parallel_sync", None)
+    if sync is None or strategy.world_size <= 1:
+        return metrics
+    local = dict(metrics)
+    local.update(sync.metrics())
+    gathered: list[dict[str, float]] = [{} for _ in range(strategy.world_size)]
+    dist.all_gather_object(gathered, local)
+    if strategy.global_rank != 0:
+        return {}
+    out: dict[str, float] = {}
+    for node, values in enumerate(gathered):
+        for key, value in values.items():
+            out[key.replace("roundpipe/", f"roundpipe/node{node}/", 1)] = value
+    out["roundpipe/allreduce(s)"] = max(v.get("roundpipe/allreduce(s)", 0.0) for v in gathered)
+    out["roundpipe/allreduce(bytes)"] = gathered[0].get("roundpipe/allreduce(bytes)", 0.0)
+    return out

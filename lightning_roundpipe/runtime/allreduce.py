@@ -1,0 +1,297 @@
+"""Data parallelism across processes: bucketed averaging of the host fp32 gradients (no Lightning here).
+
+One RoundPipe process per node holds the master weights and their ``.grad`` on the host (DESIGN.md
+section 4, "Across nodes"). After the pipeline's backward every process holds the gradient of its
+own batch; :class:`GradientAllReduce` averages them over the processes of a ``torch.distributed``
+process group, so every process ends with the gradient of the global batch (the mean of the
+processes' gradients: exact when every process's loss is normalised by the global batch, see
+:func:`global_item_count`), before clipping and the optimizer step.
+
+Buckets (as ``torch.nn.parallel.DistributedDataParallel``'s reducer, 25 MiB by default): the
+pipelined layers are grouped, last layer first, into runs of consecutive layers of at most
+``bucket_bytes`` fp32 gradient bytes (a layer larger than that is a bucket alone). Each bucket is
+flattened into one fp32 buffer and reduced with one ``dist.all_reduce`` (``SUM``, then divided by the
+world size: gloo has no ``AVG``). A parameter shared by several layers (tied embeddings) belongs to
+the bucket of its first layer, whose gradient is complete last.
+
+Overlap: the executor's host thread calls :meth:`GradientAllReduce.layers_final` after it added a
+backward stage's last gradients into the masters' ``.grad`` (the ``WD2H`` of the stage's last
+microbatch); a bucket whose layers are all final is launched there with ``async_op=True``, while
+the backward stages of earlier layers still run. Buckets are launched strictly in order (bucket 0
+holds the last layers), so the sequence of collectives is the same on every process whatever
+partition each one runs. :meth:`finish` (main thread) waits for the launched buckets, writes the
+averaged gradients back, and reduces everything not launched yet (the fused path, the asynchronous
+optimizer's path, parameters outside the pipelined model) synchronously, in the same buckets and
+in a fixed order.
+
+Parameters without a gradient: inside a launched (overlapped) bucket a trainable parameter whose
+``.grad`` is ``None`` takes part as zeros and keeps a zero gradient; in :meth:`finish` one small
+all-reduce of a presence mask first decides which parameters got a gradient on some process:
+those take part (``None`` as zeros), the others keep ``.grad = None`` everywhere.
+
+Errors: a collective that fails (a process died or was killed, the group's ``timeout`` passed)
+raises :class:`DataParallelError` naming this rank and the operation, with the backend's error as
+``__cause__``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+#: default bucket size, bytes of fp32 gradients (as DistributedDataParallel's ``bucket_cap_mb=25``)
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+class DataParallelError(RuntimeError):
+    """A collective of the data-parallel gradient synchronisation failed on this rank (another
+    process failed, was killed or is unreachable, or the process group's ``timeout`` passed)."""
+
+
+def _world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _fail(what: str, error: BaseException) -> DataParallelError:
+    rank, world = _world() if dist.is_initialized() else (-1, -1)
+    return DataParallelError(
+        f"RoundPipe data parallel: rank {rank} of {world} could not complete {what}: {error}."
+        " Another process probably failed or was killed (see its log), or the process group's `timeout` passed."
+        " HINT: every process must run the same number of training steps; the run is stopped on every rank."
+    )
+
+
+def global_item_count(local_count: torch.Tensor | int) -> torch.Tensor:
+    """The normaliser of a token-mean loss so that averaging the processes' gradients gives the
+    gradient of the global batch: ``(sum over processes of local_count) / world_size``.
+
+    A process's loss ``sum_r / N_global * world_size`` (``sum_r`` its summed token losses), averaged
+    over the processes, is ``sum over r of sum_r / N_global``: the global batch's token mean, also
+    when the processes hold unequal numbers of label tokens (as ``transformers``' Trainer does for
+    DDP with ``average_tokens_across_devices``). A collective: every process must call it.
+
+    Args:
+        local_count: label tokens of this process's batch (an int or a 0-dim integer tensor).
+
+    Returns:
+        A 0-dim float64 CPU tensor (the mean count; not an integer in general).
+
+    Raises:
+        DataParallelError: when the all-reduce fails.
+    """
+    count = torch.as_tensor(local_count).detach().to("cpu", torch.float64).reshape(())
+    buf = count.clone()
+    try:
+        dist.all_reduce(buf)
+    except Exception as error:  # noqa: BLE001 - torch raises DistBackendError/RuntimeError
+        raise _fail("the all-reduce of `num_items_in_batch`", error) from error
+    return buf / dist.get_world_size()
+
+
+@dataclass
+class _Bucket:
+    layers: frozenset[int]
+    params: list[torch.Tensor]
+    handle: object = None
+    buffer: torch.Tensor | None = None
+
+
+@dataclass
+class AllReduceStats:
+    """What the gradient synchronisation cost since the last :meth:`GradientAllReduce.pop_stats`.
+
+    Attributes:
+        seconds: main-thread seconds spent waiting for or running all-reduces (the overlapped part
+            running during the backward is not counted).
+        bytes: fp32 bytes this process contributed to all-reduces (the buffers' sizes).
+        buckets: number of all-reduce calls of gradient buckets.
+    """
+
+    seconds: float = 0.0
+    bytes: int = 0
+    buckets: int = 0
+
+
+@dataclass
+class GradientAllReduce:
+    """Bucketed all-reduce (mean) of the host gradients of one pipelined model over a process group.
+
+    Args:
+        layer_params: per layer of the pipelined layer sequence, its trainable master parameters
+            (``layer_params[layer_index]``); identical structure on every process.
+        bucket_bytes: largest bucket, bytes of fp32 gradients (a larger layer is a bucket alone).
+
+    Attributes:
+        sync: whether the current backward synchronises (``False`` inside Lightning's
+            ``block_backward_sync``, the accumulating batches: as DDP's ``no_sync``).
+
+    Raises:
+        ValueError: for ``bucket_bytes < 1``.
+    """
+
+    layer_params: Sequence[Sequence[torch.Tensor]]
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    sync: bool = True
+    _buckets: list[_Bucket] = field(default_factory=list, init=False)
+    _final: set[int] = field(default_factory=set, init=False)
+    _next: int = field(default=0, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _stats: AllReduceStats = field(default_factory=AllReduceStats, init=False)
+    _error: BaseException | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"`bucket_bytes` must be a positive int, got {self.bucket_bytes!r}. HINT: 25 * 2**20 (25 MiB).")
+        first_layer: dict[int, int] = {}
+        for layer_index, params in enumerate(self.layer_params):
+            for p in params:
+                first_layer.setdefault(id(p), layer_index)
+        current: list[int] = []
+        current_bytes = 0
+        for layer_index in reversed(range(len(self.layer_params))):
+            owned = [p for p in self.layer_params[layer_index] if first_layer[id(p)] == layer_index]
+            nbytes = sum(p.numel() * 4 for p in owned)
+            if current and current_bytes + nbytes > self.bucket_bytes:
+                self._buckets.append(self._make(current, first_layer))
+                current, current_bytes = [], 0
+            current.append(layer_index)
+            current_bytes += nbytes
+        if current:
+            self._buckets.append(self._make(current, first_layer))
+
+    def _make(self, layers: list[int], first_layer: dict[int, int]) -> _Bucket:
+        params = [p for i in layers for p in self.layer_params[i] if first_layer[id(p)] == i]
+        return _Bucket(frozenset(layers), params)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """The pipelined model's trainable parameters in bucket order (last layers first)."""
+        return [p for b in self._buckets for p in b.params]
+
+    # ------------------------------------------------------------------ host thread (overlap)
+    def layers_final(self, layers: Sequence[int]) -> None:
+        """Host thread: the masters' ``.grad`` of ``layers`` are complete for this backward;
+        launch (``async_op=True``) every bucket, in order, whose layers are all complete. A no-op
+        while :attr:`sync` is off. Errors are kept and raised by :meth:`finish`."""
+        if not self.sync or self._error is not None:
+            return
+        with self._lock:
+            self._final.update(layers)
+            try:
+                while self._next < len(self._buckets) and self._buckets[self._next].layers <= self._final:
+                    bucket = self._buckets[self._next]
+                    bucket.buffer = _flatten(bucket.params)
+                    bucket.handle = dist.all_reduce(bucket.buffer, async_op=True)
+                    self._next += 1
+            except Exception as error:  # noqa: BLE001
+                self._error = error
+
+    # ------------------------------------------------------------------ main thread
+    def finish(self, extra_params: Sequence[torch.Tensor] = ()) -> None:
+        """Average every gradient over the processes: wait for the launched buckets and write them
+        back, then reduce the buckets not launched and ``extra_params`` (trainable parameters
+        outside the pipelined model, in a fixed order) synchronously. Resets for the next backward.
+
+        Raises:
+            DataParallelError: when a collective failed.
+        """
+        start = time.perf_counter()
+        world = dist.get_world_size()
+        with self._lock:
+            launched, rest_buckets = self._buckets[:self._next], self._buckets[self._next:]
+            error, self._error = self._error, None
+            self._next = 0
+            self._final.clear()
+        try:
+            if error is not None:
+                raise error
+            for bucket in launched:
+                bucket.handle.wait()
+                _unflatten(bucket.buffer.div_(world), bucket.params, zeros_for_none=True)
+                self._count(bucket.buffer)
+                bucket.handle = bucket.buffer = None
+            rest = [p for b in rest_buckets for p in b.params]
+            seen = {id(p) for b in self._buckets for p in b.params}
+            rest += [p for p in extra_params if id(p) not in seen]
+            if rest:
+                present = torch.tensor([p.grad is not None for p in rest], dtype=torch.uint8)
+                dist.all_reduce(present, op=dist.ReduceOp.MAX)
+                chosen = [p for p, hit in zip(rest, present.tolist()) if hit]
+                for group in _groups(chosen, self.bucket_bytes):
+                    buffer = _flatten(group)
+                    dist.all_reduce(buffer)
+                    _unflatten(buffer.div_(world), group, zeros_for_none=True)
+                    self._count(buffer)
+        except DataParallelError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _fail("the gradient all-reduce", exc) from exc
+        finally:
+            for bucket in launched:
+                bucket.handle = bucket.buffer = None
+            self._stats.seconds += time.perf_counter() - start
+
+    def discard(self) -> None:
+        """Forget launched buckets without waiting (after an error in the backward)."""
+        with self._lock:
+            for bucket in self._buckets:
+                bucket.handle = bucket.buffer = None
+            self._next = 0
+            self._final.clear()
+            self._error = None
+
+    def _count(self, buffer: torch.Tensor) -> None:
+        self._stats.bytes += buffer.numel() * buffer.element_size()
+        self._stats.buckets += 1
+
+    def pop_stats(self) -> AllReduceStats:
+        """The cost since the last call (and reset)."""
+        out, self._stats = self._stats, AllReduceStats()
+        return out
+
+
+def _groups(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    out: list[list[torch.Tensor]] = []
+    current_bytes = bucket_bytes + 1
+    for p in params:
+        nbytes = p.numel() * 4
+        if current_bytes + nbytes > bucket_bytes:
+            out.append([])
+            current_bytes = 0
+        out[-1].append(p)
+        current_bytes += nbytes
+    return out
+
+
+def _flatten(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One fp32 CPU buffer ``(sum of numel,)`` of the parameters' gradients (``None`` as zeros)."""
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is not None:
+            buffer[offset:offset + n].copy_(p.grad.detach().reshape(-1))
+        offset += n
+    return buffer
+
+
+def _unflatten(buffer: torch.Tensor, params: Sequence[torch.Tensor], zeros_for_none: bool) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        chunk = buffer[offset:offset + n].view(p.shape)
+        if p.grad is None:
+            if zeros_for_none:
+                p.grad = chunk.to(p.dtype).clone()
+        else:
+            p.grad.copy_(chunk)
+        offset += n

@@ -1,0 +1,122 @@
+"""One process of the data-parallel tests (tests/test_data_parallel.py), started 2x by the test with
+``torchrun`` or with ``subprocess.Popen`` and Lightning's environment variables.
+
+Usage: ``python _dp_worker.py MODE OUT_DIR [CKPT]``; MODE is ``train`` (tiny Llama and MLP, 3 steps,
+accumulation 2, clipping), ``resume`` (MLP: 2 steps saving a checkpoint; and resume ``CKPT`` to 4
+steps), ``raise`` (rank 1's worker raises in step 2), ``kill`` (rank 1 SIGKILLs itself in step 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+
+import lightning_roundpipe  # noqa: E402
+from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, loader, params, tiny_hf, trainer  # noqa: E402
+
+ROWS = 3  # per process and batch; the single-process oracle uses 2 * ROWS
+CLIP = 0.05
+
+
+def strategy(**kw) -> lightning_roundpipe.RoundPipeStrategy:
+    return lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, partition="default",
+                                                 data_parallel=lightning_roundpipe.DataParallel(timeout_s=30), **kw)
+
+
+def info(t: L.Trainer) -> dict:
+    sampler = t.train_dataloader.sampler if t.train_dataloader is not None else None
+    return {"num_devices": t.num_devices, "world_size": t.world_size, "global_rank": t.global_rank,
+            "node_rank": t.node_rank, "num_nodes": t.num_nodes, "env": type(t.strategy.cluster_environment).__name__,
+            "sampler_replicas": sampler.num_replicas if isinstance(sampler, DistributedSampler) else None,
+            "sampler_kwargs": t.strategy.distributed_sampler_kwargs,
+            "metric_keys": sorted(k for k in t.callback_metrics if k.startswith("roundpipe/"))}
+
+
+def ordered(ds) -> DataLoader:
+    """Rows ``rank, rank + 2, ...`` in order (Lightning's own ``DistributedSampler`` shuffles training data)."""
+    sampler = DistributedSampler(ds, num_replicas=2, rank=int(os.environ["RANK"]), shuffle=False)
+    return DataLoader(ds, batch_size=ROWS, sampler=sampler)
+
+
+def train(out: Path) -> None:
+    report = {}
+    llama = CausalLMModule(tiny_hf("llama", layers=3))
+    t = trainer(strategy(), devices=2, num_nodes=2, max_steps=3, accumulate_grad_batches=2,
+                gradient_clip_val=CLIP, log_every_n_steps=1)
+    t.fit(llama, ordered(TokenData(n=12 * ROWS)))
+    report["llama"] = info(t)
+    mlp = MLPModule()
+    t = trainer(strategy(), devices=2, num_nodes=2, max_steps=3, accumulate_grad_batches=2,
+                gradient_clip_val=CLIP, log_every_n_steps=1)
+    t.fit(mlp, ordered(VectorData(n=12 * ROWS)))
+    report["mlp"] = info(t)
+    if t.global_rank == 0:
+        torch.save({"llama": params(llama), "mlp": params(mlp)}, out / "params.pt")
+    (out / f"info{t.global_rank}.json").write_text(json.dumps(report))
+
+
+def resume(out: Path, ckpt: str) -> None:
+    def fit(max_steps: int, ckpt_path=None, save_dir=None):
+        module = MLPModule(scheduler=False)
+        callbacks = [ModelCheckpoint(dirpath=save_dir, save_last=True)] if save_dir else []
+        t = trainer(strategy(), devices=2, num_nodes=2, max_steps=max_steps, gradient_clip_val=CLIP,
+                    enable_checkpointing=bool(save_dir), callbacks=callbacks)
+        # one global batch per epoch: Lightning's DistributedSampler (shuffling) splits it between the processes
+        t.fit(module, loader(VectorData(n=2 * ROWS), ROWS), ckpt_path=ckpt_path)
+        assert isinstance(t.train_dataloader.sampler, DistributedSampler) and t.train_dataloader.sampler.num_replicas == 2
+        return t, module
+
+    fit(2, save_dir=out / "ckpt2p")
+    t, module = fit(4, ckpt_path=ckpt)
+    if t.global_rank == 0:
+        torch.save(params(module), out / "resumed2p.pt")
+
+
+class FailOnRank(nn.Module):
+    """Identity; raises on rank 1 from the second training call on."""
+
+    calls = 0
+
+    def forward(self, x):
+        if torch.is_grad_enabled() and os.environ.get("NODE_RANK") == "1":
+            FailOnRank.calls += 1
+            if FailOnRank.calls >= 2:
+                raise RuntimeError("injected failure on rank 1")
+        return x
+
+
+class KillOnRank(L.Callback):
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.global_rank == 1 and trainer.global_step >= 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail(mode: str) -> None:
+    module = MLPModule(scheduler=False)
+    if mode == "raise":
+        module.model.insert(2, FailOnRank())
+    t = trainer(strategy(), devices=2, num_nodes=2, max_steps=20, callbacks=[KillOnRank()] if mode == "kill" else [])
+    t.fit(module, loader(VectorData(n=20 * ROWS), ROWS))
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    if mode == "train":
+        train(out)
+    elif mode == "resume":
+        resume(out, sys.argv[3])
+    else:
+        fail(mode)
