@@ -274,3 +274,13 @@ def test_progress_bar_of_a_step_limited_run_shows_no_negative_epoch(tmp_path: Pa
     assert isinstance(trainer.progress_bar_callback, StepProgressBar)
     trainer = build_trainer(cfg, "auto", [], [], devices=1, enable_progress_bar=False)
     assert trainer.progress_bar_callback is None
+
+
+def test_slurm_launcher_composes() -> None:
+    """The SLURM launcher choice (config only: no SLURM here): one task per node."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    cfg = _compose("hydra/launcher=roundpipe_slurm", "hydra.launcher.nodes=3", "trainer.num_nodes=3")
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (3, 1, 8)
+    assert cfg.trainer.num_nodes == 3
