@@ -2,8 +2,9 @@
 ``torchrun`` or with ``subprocess.Popen`` and Lightning's environment variables.
 
 Usage: ``python _dp_worker.py MODE OUT_DIR [CKPT]``; MODE is ``train`` (tiny Llama and MLP, 3 steps,
-accumulation 2, clipping), ``resume`` (MLP: 2 steps saving a checkpoint; and resume ``CKPT`` to 4
-steps), ``raise`` (rank 1's worker raises in step 2), ``kill`` (rank 1 SIGKILLs itself in step 2).
+accumulation 2, clipping; then the resume runs: MLP 2 steps saving a checkpoint, and ``CKPT``
+resumed to 4 steps), ``raise`` (rank 1's worker raises in step 2), ``kill`` (rank 1 SIGKILLs itself
+in step 2); the failing rank writes the time of its failure to ``OUT_DIR/failed_at``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -51,7 +53,7 @@ def ordered(ds) -> DataLoader:
     return DataLoader(ds, batch_size=ROWS, sampler=sampler)
 
 
-def train(out: Path) -> None:
+def train(out: Path, ckpt: str) -> None:
     report = {}
     llama = CausalLMModule(tiny_hf("llama", layers=3))
     t = trainer(strategy(), devices=2, num_nodes=2, max_steps=3, accumulate_grad_batches=2,
@@ -66,6 +68,7 @@ def train(out: Path) -> None:
     if t.global_rank == 0:
         torch.save({"llama": params(llama), "mlp": params(mlp)}, out / "params.pt")
     (out / f"info{t.global_rank}.json").write_text(json.dumps(report))
+    resume(out, ckpt)
 
 
 def resume(out: Path, ckpt: str) -> None:
@@ -85,6 +88,10 @@ def resume(out: Path, ckpt: str) -> None:
         torch.save(params(module), out / "resumed2p.pt")
 
 
+def failed_at() -> None:
+    Path(sys.argv[2], "failed_at").write_text(repr(time.time()))
+
+
 class FailOnRank(nn.Module):
     """Identity; raises on rank 1 from the second training call on."""
 
@@ -94,6 +101,7 @@ class FailOnRank(nn.Module):
         if torch.is_grad_enabled() and os.environ.get("NODE_RANK") == "1":
             FailOnRank.calls += 1
             if FailOnRank.calls >= 2:
+                failed_at()
                 raise RuntimeError("injected failure on rank 1")
         return x
 
@@ -101,6 +109,7 @@ class FailOnRank(nn.Module):
 class KillOnRank(L.Callback):
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if trainer.global_rank == 1 and trainer.global_step >= 1:
+            failed_at()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -115,8 +124,6 @@ def fail(mode: str) -> None:
 if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     if mode == "train":
-        train(out)
-    elif mode == "resume":
-        resume(out, sys.argv[3])
+        train(out, sys.argv[3])
     else:
         fail(mode)
