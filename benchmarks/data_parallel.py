@@ -142,11 +142,18 @@ def main() -> None:
     print(f"2 processes x 1 virtual device: step {t2 * 1e3:8.1f} ms   speed-up {t1 / t2:5.2f}x (bound ~2x on 2 cores)")
     print(f"all-reduce per step: {ar * 1e3:7.1f} ms main-thread wait, {nbytes / 2**20:7.2f} MiB fp32 per process"
           f" ({ar / t2 * 100 if t2 else 0:4.1f}% of the step)")
-    for name, rate in (("25 GbE", 25e9 / 8), ("100 Gb IB", 100e9 / 8)):
-        n = 2  # nodes; the host all-reduce runs between the 2 nodes, each node's 8 GPUs are its pipeline
-        ring = 2 * (n - 1) / n * nbytes / rate
-        print(f"  estimate, 2 nodes x 8 GPUs over {name}: ring all-reduce of {nbytes / 2**20:.1f} MiB"
-              f" = {ring * 1e3:.2f} ms per step (2 (N-1)/N x bytes / link rate, N = {n} nodes)")
+    n = 2  # nodes; the host all-reduce runs between the 2 nodes, each node's 8 GPUs are its pipeline
+    # (label, fp32 gradient bytes, one 8x4090 node's RoundPipe tokens/s from the paper's artifact)
+    models = [("this model", nbytes, None), ("Qwen3-1.7B full", 1.72e9 * 4, 65417), ("Llama3.1-8B full", 8.03e9 * 4, 24275)]
+    print(f"estimate, {n} nodes x 8 GPUs: ring all-reduce moves 2 (N-1)/N x the gradient bytes over each node's link"
+          " (N = nodes; host gloo assumed to reach line rate)")
+    for label, size, tokens_per_s in models:
+        for link, rate in (("25 GbE", 25e9 / 8), ("100 Gb IB", 100e9 / 8)):
+            ring = 2 * (n - 1) / n * size / rate
+            extra = ""
+            if tokens_per_s:  # tokens per node and step for the all-reduce to be <= 10% of the step (not overlapped)
+                extra = f"; <= 10% of the step from {ring * 10 * tokens_per_s / 1e3:,.0f}K tokens/node/step"
+            print(f"  {label:17s} {size / 2**30:7.2f} GiB over {link:9s}: {ring * 1e3:9.1f} ms per step{extra}")
 
 
 if __name__ == "__main__":
