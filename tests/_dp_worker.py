@@ -38,13 +38,26 @@ def strategy(**kw) -> lightning_roundpipe.RoundPipeStrategy:
                                                  data_parallel=lightning_roundpipe.DataParallel(timeout_s=30), **kw)
 
 
+class Launched(L.Callback):
+    """Buckets launched during the backward (overlapped), seen right after it, before the strategy's wait."""
+
+    def __init__(self) -> None:
+        self.launched: list[tuple[int, int]] = []
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        reducer = trainer.strategy.data_parallel_sync.reducer
+        if reducer.sync:
+            self.launched.append((reducer._next, reducer.num_buckets))
+
+
 def info(t: L.Trainer) -> dict:
     sampler = t.train_dataloader.sampler if t.train_dataloader is not None else None
     return {"num_devices": t.num_devices, "world_size": t.world_size, "global_rank": t.global_rank,
             "node_rank": t.node_rank, "num_nodes": t.num_nodes, "env": type(t.strategy.cluster_environment).__name__,
             "sampler_replicas": sampler.num_replicas if isinstance(sampler, DistributedSampler) else None,
             "sampler_kwargs": t.strategy.distributed_sampler_kwargs,
-            "metric_keys": sorted(k for k in t.callback_metrics if k.startswith("roundpipe/"))}
+            "metric_keys": sorted(k for k in t.callback_metrics if k.startswith("roundpipe/")),
+            "launched": next(c.launched for c in t.callbacks if isinstance(c, Launched))}
 
 
 def ordered(ds) -> DataLoader:
@@ -55,18 +68,18 @@ def ordered(ds) -> DataLoader:
 
 def train(out: Path, ckpt: str) -> None:
     report = {}
-    llama = CausalLMModule(tiny_hf("llama", layers=3))
-    t = trainer(strategy(), devices=2, num_nodes=2, max_steps=3, accumulate_grad_batches=2,
-                gradient_clip_val=CLIP, log_every_n_steps=1)
-    t.fit(llama, ordered(TokenData(n=12 * ROWS)))
-    report["llama"] = info(t)
-    mlp = MLPModule()
-    t = trainer(strategy(), devices=2, num_nodes=2, max_steps=3, accumulate_grad_batches=2,
-                gradient_clip_val=CLIP, log_every_n_steps=1)
-    t.fit(mlp, ordered(VectorData(n=12 * ROWS)))
-    report["mlp"] = info(t)
+    models = {}
+    for name, make, data, steps, accumulate in (
+            ("llama", lambda: CausalLMModule(tiny_hf("llama", layers=3)), TokenData(n=12 * ROWS), 3, 2),
+            ("llama_noacc", lambda: CausalLMModule(tiny_hf("llama", layers=3)), TokenData(n=12 * ROWS), 2, 1),
+            ("mlp", MLPModule, VectorData(n=12 * ROWS), 3, 2)):
+        models[name] = make()
+        t = trainer(strategy(), devices=2, num_nodes=2, max_steps=steps, accumulate_grad_batches=accumulate,
+                    gradient_clip_val=CLIP, log_every_n_steps=1, callbacks=[Launched()])
+        t.fit(models[name], ordered(data))
+        report[name] = info(t)
     if t.global_rank == 0:
-        torch.save({"llama": params(llama), "mlp": params(mlp)}, out / "params.pt")
+        torch.save({name: params(module) for name, module in models.items()}, out / "params.pt")
     (out / f"info{t.global_rank}.json").write_text(json.dumps(report))
     resume(out, ckpt)
 

@@ -84,21 +84,30 @@ def trained(tmp_path_factory):
     return torch.load(out / "params.pt"), infos, out
 
 
-def _oracle(make, data, **kw):
+def _oracle(make, data, steps=3, accumulate=2):
     module = make()
-    t = trainer("auto", 1, max_steps=3, accumulate_grad_batches=2, gradient_clip_val=CLIP, **kw)
+    t = trainer("auto", 1, max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=CLIP)
     t.fit(module, loader(data, 2 * ROWS))
     return params(module)
 
 
 def test_two_processes_equal_one_process_global_batch(trained):
-    got, _, _ = trained
-    llama = _oracle(lambda: CausalLMModule(tiny_hf("llama", layers=3)), TokenData(n=12 * ROWS))
-    mlp = _oracle(MLPModule, VectorData(n=12 * ROWS))
-    start = {"llama": params(CausalLMModule(tiny_hf("llama", layers=3))), "mlp": params(MLPModule())}
-    for name, want in (("llama", llama), ("mlp", mlp)):
-        assert max_diff(got[name], want) <= 1e-5, name
-        assert max_diff(start[name], want) > 1e-3, name  # the run moved the weights: the comparison means something
+    got, infos, _ = trained
+    make_llama = lambda: CausalLMModule(tiny_hf("llama", layers=3))  # noqa: E731
+    want = {"llama": _oracle(make_llama, TokenData(n=12 * ROWS)),
+            "llama_noacc": _oracle(make_llama, TokenData(n=12 * ROWS), steps=2, accumulate=1),
+            "mlp": _oracle(MLPModule, VectorData(n=12 * ROWS))}
+    start = {"llama": params(make_llama()), "mlp": params(MLPModule())}
+    for name in want:
+        assert max_diff(got[name], want[name]) <= 1e-5, name
+        assert max_diff(start[name.split("_")[0]], want[name]) > 1e-3, name  # the weights moved: the comparison means something
+    # overlap: every bucket started during the backward (transparent path; fused path when .grad holds no
+    # accumulated batch); with accumulation the fused path's buckets run after the backward
+    for rank in range(2):
+        assert all(launched == total for launched, total in infos[rank]["mlp"]["launched"])
+        assert all(launched == total for launched, total in infos[rank]["llama_noacc"]["launched"])
+        assert all(launched == 0 for launched, _ in infos[rank]["llama"]["launched"])
+        assert len(infos[rank]["mlp"]["launched"]) == 3  # one synchronising backward per optimizer step
 
 
 def test_unequal_token_counts_need_the_global_count(trained):
@@ -114,7 +123,7 @@ def test_unequal_token_counts_need_the_global_count(trained):
 def test_world_size_devices_ranks_and_metric_keys(trained):
     _, infos, _ = trained
     for rank, report in enumerate(infos):
-        for name in ("llama", "mlp"):
+        for name in ("llama", "llama_noacc", "mlp"):
             r = report[name]
             assert (r["num_devices"], r["world_size"], r["global_rank"], r["num_nodes"]) == (2, 2, rank, 2), r
             assert r["env"] == "TorchElasticEnvironment" and r["sampler_replicas"] == 2

@@ -46,8 +46,9 @@ class DataParallel:
         bucket_bytes: largest all-reduce bucket, bytes of fp32 gradients (default 25 MiB, as
             DistributedDataParallel's ``bucket_cap_mb``).
         overlap: start a bucket's all-reduce as soon as its layers' gradients are complete, while
-            the backward stages of earlier layers still run (transparent path with
-            ``optimizer="sync"``); ``False``: all buckets after the backward.
+            the backward stages of earlier layers still run (transparent path; fused path on the
+            first backward of an optimizer step; not with ``optimizer="async"``); ``False``: all
+            buckets after the backward.
         global_num_items: Hugging Face causal LMs called with ``labels`` and no
             ``num_items_in_batch``: normalise the loss by the label tokens of the *global* batch
             (all-reduced; :func:`~lightning_roundpipe.runtime.allreduce.global_item_count`), so the
@@ -145,6 +146,10 @@ class DataParallelSync:
         self._original_prepare = None
         if config.overlap:
             engine.executor.grads_final_hook = self.reducer.layers_final
+            engine.sink_barrier = self.reducer.sink_barrier
+        # the fused path's buffers too, unless the asynchronous optimizer holds them back (its own barrier)
+        self._sink_overlap = config.overlap and engine.grad_barrier is None
+        self.reducer.accept_sink = self._sink_overlap
         if config.global_num_items and engine.seq.loss_key:
             self._install_global_count()
 
@@ -173,9 +178,15 @@ class DataParallelSync:
         """Average the gradients (when this backward synchronises): wait for the overlapped buckets,
         reduce the rest."""
         if not self.reducer.sync:
+            # .grad now holds this process's own gradient: the next synchronising backward must not add
+            # the fused path's averaged buffers to it (finish() reduces .grad after it instead)
+            self.reducer.accept_sink = False
             return
         extra = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        self.reducer.finish(extra)
+        try:
+            self.reducer.finish(extra)
+        finally:
+            self.reducer.accept_sink = self._sink_overlap
 
     def metrics(self) -> dict[str, float]:
         """``roundpipe/allreduce(s)`` and ``roundpipe/allreduce(bytes)`` since the last call."""
@@ -186,6 +197,8 @@ class DataParallelSync:
         self.reducer.discard()
         if self.engine.executor.grads_final_hook == self.reducer.layers_final:
             self.engine.executor.grads_final_hook = None
+        if self.engine.sink_barrier == self.reducer.sink_barrier:
+            self.engine.sink_barrier = None
         if self._original_prepare is not None:
             self.engine.seq.prepare = self._original_prepare
             self._original_prepare = None

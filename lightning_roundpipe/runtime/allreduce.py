@@ -20,9 +20,21 @@ microbatch); a bucket whose layers are all final is launched there with ``async_
 the backward stages of earlier layers still run. Buckets are launched strictly in order (bucket 0
 holds the last layers), so the sequence of collectives is the same on every process whatever
 partition each one runs. :meth:`finish` (main thread) waits for the launched buckets, writes the
-averaged gradients back, and reduces everything not launched yet (the fused path, the asynchronous
-optimizer's path, parameters outside the pipelined model) synchronously, in the same buckets and
-in a fixed order.
+averaged gradients back, and reduces everything not launched yet (parameters outside the pipelined
+model; with ``accept_sink`` off, the fused path) synchronously, in the same buckets and in a fixed
+order.
+
+Fused path (``accept_sink``): the stage's gradients land in the engine's CPU buffers (the sink)
+instead of ``.grad``; buckets are launched from those buffers, and :meth:`sink_barrier` waits for
+them and writes the mean back into the buffers right before the loss's backward adds them (times
+the loss's incoming gradient, the same on every process) into ``.grad``. That is the global
+gradient when ``.grad`` is ``None`` there (the first backward of an optimizer step: Lightning zeroes
+the gradients between the forward and the backward). The caller turns ``accept_sink`` off for a
+backward that follows accumulated, unsynchronised ones (their ``.grad`` differ per process); should
+a launched bucket's ``.grad`` still hold a gradient at :meth:`sink_barrier`, :meth:`finish` reduces
+that bucket once more from ``.grad`` (the mean of ``prev_r + c`` is ``mean(prev_r) + c``: exact,
+at twice the bytes). Every decision depends only on which ``.grad`` are ``None``, the same on every
+process.
 
 Parameters without a gradient: inside a launched (overlapped) bucket a trainable parameter whose
 ``.grad`` is ``None`` takes part as zeros and keeps a zero gradient; in :meth:`finish` one small
@@ -99,6 +111,8 @@ class _Bucket:
     params: list[torch.Tensor]
     handle: object = None
     buffer: torch.Tensor | None = None
+    sink: dict | None = None  # launched from the fused path's gradient buffers
+    rereduce: bool = False  # .grad held a gradient when the buffers were added: reduce again from .grad
 
 
 @dataclass
@@ -129,6 +143,8 @@ class GradientAllReduce:
     Attributes:
         sync: whether the current backward synchronises (``False`` inside Lightning's
             ``block_backward_sync``, the accumulating batches: as DDP's ``no_sync``).
+        accept_sink: launch buckets from the fused path's gradient buffers (the engine must then
+            call :meth:`sink_barrier` before it adds them into ``.grad``).
 
     Raises:
         ValueError: for ``bucket_bytes < 1``.
@@ -137,6 +153,7 @@ class GradientAllReduce:
     layer_params: Sequence[Sequence[torch.Tensor]]
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     sync: bool = True
+    accept_sink: bool = False
     _buckets: list[_Bucket] = field(default_factory=list, init=False)
     _final: set[int] = field(default_factory=set, init=False)
     _next: int = field(default=0, init=False)
@@ -178,22 +195,59 @@ class GradientAllReduce:
         return [p for b in self._buckets for p in b.params]
 
     # ------------------------------------------------------------------ host thread (overlap)
-    def layers_final(self, layers: Sequence[int]) -> None:
-        """Host thread: the masters' ``.grad`` of ``layers`` are complete for this backward;
-        launch (``async_op=True``) every bucket, in order, whose layers are all complete. A no-op
-        while :attr:`sync` is off. Errors are kept and raised by :meth:`finish`."""
-        if not self.sync or self._error is not None:
+    def layers_final(self, layers: Sequence[int], sink: dict | None = None) -> None:
+        """Host thread: the gradients of ``layers`` are complete for this backward, in the
+        masters' ``.grad`` (``sink=None``) or in the fused path's buffers ``sink``; launch
+        (``async_op=True``) every bucket, in order, whose layers are all complete. A no-op while
+        :attr:`sync` is off. Errors are kept and raised by :meth:`finish`."""
+        if not self.sync or self._error is not None or (sink is not None and not self.accept_sink):
             return
         with self._lock:
             self._final.update(layers)
             try:
                 while self._next < len(self._buckets) and self._buckets[self._next].layers <= self._final:
                     bucket = self._buckets[self._next]
-                    bucket.buffer = _flatten(bucket.params)
+                    bucket.buffer = _flatten(bucket.params, sink)
+                    bucket.sink = sink
                     bucket.handle = dist.all_reduce(bucket.buffer, async_op=True)
                     self._next += 1
             except Exception as error:  # noqa: BLE001
                 self._error = error
+
+    def sink_barrier(self, sink: dict) -> None:
+        """Fused path, main thread, before the loss's backward adds ``sink`` into ``.grad``: wait
+        for the buckets launched from ``sink`` and write the mean into its buffers (a parameter
+        without a buffer on this process gets one: the mean, its own part counted as zeros).
+
+        Raises:
+            DataParallelError: when a collective failed.
+        """
+        start = time.perf_counter()
+        world = dist.get_world_size()
+        with self._lock:
+            launched = [b for b in self._buckets[:self._next] if b.sink is sink and b.handle is not None]
+        try:
+            for bucket in launched:
+                bucket.handle.wait()
+                bucket.handle = None
+                buffer = bucket.buffer.div_(world)
+                offset = 0
+                for p in bucket.params:
+                    n = p.numel()
+                    chunk = buffer[offset:offset + n].view(p.shape)
+                    entry = sink.get(id(p))
+                    if entry is None:
+                        sink[id(p)] = (p, chunk.to(p.dtype).clone())
+                    else:
+                        entry[1].copy_(chunk)
+                    offset += n
+                self._count(buffer)
+                bucket.buffer = None
+                bucket.rereduce = any(p.grad is not None for p in bucket.params)
+        except Exception as exc:  # noqa: BLE001
+            raise _fail("the gradient all-reduce", exc) from exc
+        finally:
+            self._stats.seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------------ main thread
     def finish(self, extra_params: Sequence[torch.Tensor] = ()) -> None:
@@ -214,12 +268,19 @@ class GradientAllReduce:
         try:
             if error is not None:
                 raise error
+            again: list[torch.Tensor] = []
             for bucket in launched:
+                if bucket.sink is not None:  # written into the buffers by sink_barrier (or unused: no loss backward)
+                    if bucket.handle is not None:
+                        bucket.handle.wait()
+                    if bucket.rereduce:
+                        again += bucket.params
+                    continue
                 bucket.handle.wait()
                 _unflatten(bucket.buffer.div_(world), bucket.params, zeros_for_none=True)
                 self._count(bucket.buffer)
                 bucket.handle = bucket.buffer = None
-            rest = [p for b in rest_buckets for p in b.params]
+            rest = again + [p for b in rest_buckets for p in b.params]
             seen = {id(p) for b in self._buckets for p in b.params}
             rest += [p for p in extra_params if id(p) not in seen]
             if rest:
@@ -237,14 +298,15 @@ class GradientAllReduce:
             raise _fail("the gradient all-reduce", exc) from exc
         finally:
             for bucket in launched:
-                bucket.handle = bucket.buffer = None
+                bucket.handle = bucket.buffer = bucket.sink = None
+                bucket.rereduce = False
             self._stats.seconds += time.perf_counter() - start
 
     def discard(self) -> None:
         """Forget launched buckets without waiting (after an error in the backward)."""
         with self._lock:
             for bucket in self._buckets:
-                bucket.handle = bucket.buffer = None
+                bucket.handle = bucket.buffer = bucket.sink = None
             self._next = 0
             self._final.clear()
             self._error = None
@@ -272,14 +334,16 @@ def _groups(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Te
     return out
 
 
-def _flatten(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One fp32 CPU buffer ``(sum of numel,)`` of the parameters' gradients (``None`` as zeros)."""
+def _flatten(params: Sequence[torch.Tensor], sink: dict | None = None) -> torch.Tensor:
+    """One fp32 CPU buffer ``(sum of numel,)`` of the parameters' gradients, from ``.grad`` or
+    from the buffers ``sink[id(param)] = (param, grad)``; missing ones as zeros."""
     buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
     offset = 0
     for p in params:
         n = p.numel()
-        if p.grad is not None:
-            buffer[offset:offset + n].copy_(p.grad.detach().reshape(-1))
+        grad = p.grad if sink is None else (sink[id(p)][1] if id(p) in sink else None)
+        if grad is not None:
+            buffer[offset:offset + n].copy_(grad.detach().reshape(-1))
         offset += n
     return buffer
 
