@@ -21,17 +21,24 @@ Launch, as for Lightning's multi-node DDP with one process per node:
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generator
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _distributed_is_initialized
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lightning_roundpipe.runtime.allreduce import DEFAULT_BUCKET_BYTES, GradientAllReduce, global_item_count
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -72,6 +79,99 @@ class DataParallel:
         for name in ("overlap", "global_num_items"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`DataParallel({name}=...)` must be a bool, got {getattr(self, name)!r}.")
+
+
+class NodeParallelStrategy(ParallelStrategy):
+    """The ``ParallelStrategy`` part of :class:`~lightning_roundpipe.RoundPipeStrategy`: one process
+    per node, the root device is the CPU (masters, optimizer, batches), ``world_size = num_nodes``;
+    with one process no process group is made and every collective is a no-op. Subclasses set
+    :attr:`data_parallel` (:class:`DataParallel`) and, during fit with several processes,
+    :attr:`data_parallel_sync` (:class:`DataParallelSync`)."""
+
+    data_parallel: DataParallel
+    data_parallel_sync: "DataParallelSync | None" = None
+    _num_nodes: int = 1
+
+    @property
+    def root_device(self) -> torch.device:
+        """The CPU: the master weights, the optimizer and the batches live there."""
+        return torch.device("cpu")
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes = processes: one process per node (``world_size == num_nodes``)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`num_nodes` must be a positive int, got {value!r}.")
+        self._num_nodes = value
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one process (Lightning then adds a ``DistributedSampler``)."""
+        return self.world_size > 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        set_world_ranks(self)
+
+    def setup_environment(self) -> None:
+        """Several processes: the process group. (Sets up no device: ``Strategy``'s would set up
+        the CPU root device on the accelerator; the subclass sets up its first worker device.)"""
+        if self.world_size > 1:
+            setup_distributed(self, self.data_parallel)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # collectives (as DDPStrategy's; no-ops in one process)
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor) and _distributed_is_initialized():
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        if not _distributed_is_initialized():
+            return tensor
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator:
+        """Accumulating batches do not synchronise gradients (as DDP's ``no_sync``)."""
+        sync = self.data_parallel_sync
+        if sync is None:
+            yield None
+            return
+        sync.sync = False
+        try:
+            yield None
+        finally:
+            sync.sync = True
+
+    def on_exception(self, exception: BaseException) -> None:
+        if self.world_size > 1 and _distributed_is_initialized():
+            # close this rank's connections: the other ranks' next collective fails within seconds
+            log.error("RoundPipe: rank %d failed (%s); leaving the process group so that every rank stops",
+                      self.global_rank, type(exception).__name__)
+            dist.destroy_process_group()
+        super().on_exception(exception)
 
 
 def set_world_ranks(strategy: Any) -> None:

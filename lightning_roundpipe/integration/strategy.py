@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import contextmanager
-from typing import Any, Generator, Sequence
+from typing import Any, Sequence
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
-from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _distributed_is_initialized
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -65,7 +61,7 @@ def _check_positive(name: str, value: Any, integer: bool, hint: str) -> None:
         raise ValueError(f"`{name}` must be {kind}, got {value!r}. HINT: {hint}.")
 
 
-class RoundPipeStrategy(ParallelStrategy):
+class RoundPipeStrategy(dp.NodeParallelStrategy):
     """RoundPipe pipeline training (arXiv 2604.27085) for Lightning.
 
     Args:
@@ -210,9 +206,7 @@ class RoundPipeStrategy(ParallelStrategy):
                             " HINT: `RoundPipeStrategy(data_parallel=DataParallel(timeout_s=60))`.")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self._num_nodes = 1
         self.data_parallel = data_parallel or dp.DataParallel()
-        self.data_parallel_sync: dp.DataParallelSync | None = None
         self.num_microbatches = num_microbatches
         self.module_name = module
         fwd, bwd = _as_ranges("forward_stages", forward_stages), _as_ranges("backward_stages", backward_stages)
@@ -242,93 +236,17 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ devices
     @property
-    @override
-    def root_device(self) -> torch.device:
-        """The CPU: the master weights, the optimizer and the batches live there."""
-        return torch.device("cpu")
-
-    @property
-    def num_nodes(self) -> int:
-        """Nodes = processes: one RoundPipe process per node (``world_size == num_nodes``)."""
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`num_nodes` must be a positive int, got {value!r}.")
-        self._num_nodes = value
-
-    @property
     def num_devices(self) -> int:
         """Number of pipeline devices (workers) of this node."""
         return len(self.parallel_devices or [torch.device("cpu")])
 
-    @property
-    def is_distributed(self) -> bool:
-        """More than one process (Lightning then adds a ``DistributedSampler``)."""
-        return self.world_size > 1
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    def set_world_ranks(self) -> None:
-        dp.set_world_ranks(self)
-
     @override
     def setup_environment(self) -> None:
         assert self.accelerator is not None
-        if self.world_size > 1:
-            dp.setup_distributed(self, self.data_parallel)
+        super().setup_environment()  # several nodes: the process group (NodeParallelStrategy)
         devices = self.parallel_devices or [torch.device("cpu")]
         # the master weights live on the CPU; the accelerator is set up for the first worker device
         self.accelerator.setup_device(devices[0])
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    # ------------------------------------------------------------------ collectives (no-ops in one process)
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor) and _distributed_is_initialized():
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        if not _distributed_is_initialized():
-            return tensor
-        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator:
-        """Accumulating batches do not synchronise gradients (as DDP's ``no_sync``)."""
-        sync = self.data_parallel_sync
-        if sync is None:
-            yield None
-            return
-        sync.sync = False
-        try:
-            yield None
-        finally:
-            sync.sync = True
 
     # ------------------------------------------------------------------ setup / teardown
     @override
@@ -465,12 +383,7 @@ class RoundPipeStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if self._async is not None:
             self._async.wait(raise_errors=False)
-        if self.world_size > 1 and _distributed_is_initialized():
-            # close this rank's connections: the other ranks' next collective fails within seconds
-            log.error("RoundPipe: rank %d failed (%s); leaving the process group so that every rank stops",
-                      self.global_rank, type(exception).__name__)
-            torch.distributed.destroy_process_group()
-        super().on_exception(exception)
+        super().on_exception(exception)  # several nodes: leave the process group, so every rank stops
 
     @override
     def teardown(self) -> None:
