@@ -60,6 +60,16 @@ def info(t: L.Trainer) -> dict:
             "launched": next(c.launched for c in t.callbacks if isinstance(c, Launched))}
 
 
+class TwiceMLP(MLPModule):
+    """Calls the pipelined model twice per step (two pipelines feed one backward); the loss is the
+    batch's summed cross entropy over its rows, so it splits between processes exactly."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        ce = nn.functional.cross_entropy
+        return (ce(self.model(x[:1]), y[:1], reduction="sum") + ce(self.model(x[1:]), y[1:], reduction="sum")) / len(x)
+
+
 def ordered(ds) -> DataLoader:
     """Rows ``rank, rank + 2, ...`` in order (Lightning's own ``DistributedSampler`` shuffles training data)."""
     sampler = DistributedSampler(ds, num_replicas=2, rank=int(os.environ["RANK"]), shuffle=False)
@@ -72,7 +82,8 @@ def train(out: Path, ckpt: str) -> None:
     for name, make, data, steps, accumulate in (
             ("llama", lambda: CausalLMModule(tiny_hf("llama", layers=3)), TokenData(n=12 * ROWS), 3, 2),
             ("llama_noacc", lambda: CausalLMModule(tiny_hf("llama", layers=3)), TokenData(n=12 * ROWS), 2, 1),
-            ("mlp", MLPModule, VectorData(n=12 * ROWS), 3, 2)):
+            ("mlp", MLPModule, VectorData(n=12 * ROWS), 3, 2),
+            ("mlp_twice", lambda: TwiceMLP(scheduler=False), VectorData(n=12 * ROWS), 2, 1)):
         models[name] = make()
         t = trainer(strategy(), devices=2, num_nodes=2, max_steps=steps, accumulate_grad_batches=accumulate,
                     gradient_clip_val=CLIP, log_every_n_steps=1, callbacks=[Launched()])

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_roundpipe
-from _dp_worker import CLIP, ROWS
+from _dp_worker import CLIP, ROWS, TwiceMLP
 from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, loader, max_diff, params, tiny_hf, trainer
 from lightning_roundpipe.runtime.allreduce import GradientAllReduce
 
@@ -96,7 +96,10 @@ def test_two_processes_equal_one_process_global_batch(trained):
     make_llama = lambda: CausalLMModule(tiny_hf("llama", layers=3))  # noqa: E731
     want = {"llama": _oracle(make_llama, TokenData(n=12 * ROWS)),
             "llama_noacc": _oracle(make_llama, TokenData(n=12 * ROWS), steps=2, accumulate=1),
-            "mlp": _oracle(MLPModule, VectorData(n=12 * ROWS))}
+            "mlp": _oracle(MLPModule, VectorData(n=12 * ROWS)),
+            # two pipelined calls feed one backward: the first call's buckets were launched before the
+            # second call's gradients arrived, so they are reduced again from .grad
+            "mlp_twice": _oracle(lambda: TwiceMLP(scheduler=False), VectorData(n=12 * ROWS), steps=2, accumulate=1)}
     start = {"llama": params(make_llama()), "mlp": params(MLPModule())}
     for name in want:
         assert max_diff(got[name], want[name]) <= 1e-5, name
@@ -123,7 +126,7 @@ def test_unequal_token_counts_need_the_global_count(trained):
 def test_world_size_devices_ranks_and_metric_keys(trained):
     _, infos, _ = trained
     for rank, report in enumerate(infos):
-        for name in ("llama", "llama_noacc", "mlp"):
+        for name in ("llama", "llama_noacc", "mlp", "mlp_twice"):
             r = report[name]
             assert (r["num_devices"], r["world_size"], r["global_rank"], r["num_nodes"]) == (2, 2, rank, 2), r
             assert r["env"] == "TorchElasticEnvironment" and r["sampler_replicas"] == 2

@@ -31,10 +31,12 @@ the loss's incoming gradient, the same on every process) into ``.grad``. That is
 gradient when ``.grad`` is ``None`` there (the first backward of an optimizer step: Lightning zeroes
 the gradients between the forward and the backward). The caller turns ``accept_sink`` off for a
 backward that follows accumulated, unsynchronised ones (their ``.grad`` differ per process); should
-a launched bucket's ``.grad`` still hold a gradient at :meth:`sink_barrier`, :meth:`finish` reduces
-that bucket once more from ``.grad`` (the mean of ``prev_r + c`` is ``mean(prev_r) + c``: exact,
-at twice the bytes). Every decision depends only on which ``.grad`` are ``None``, the same on every
-process.
+a launched bucket's ``.grad`` still hold a gradient at :meth:`sink_barrier`, or gradients reach
+``.grad`` after their bucket was launched (buffers that were not accepted, a second pipelined call
+in the same backward), :meth:`finish` reduces every bucket once more from ``.grad`` (the mean of
+``prev_r + c`` is ``mean(prev_r) + c`` for an averaged part ``c``: exact, at more bytes). Every
+decision depends only on the program structure and on which ``.grad`` are ``None``, the same on
+every process.
 
 Parameters without a gradient: inside a launched (overlapped) bucket a trainable parameter whose
 ``.grad`` is ``None`` takes part as zeros and keeps a zero gradient; in :meth:`finish` one small
@@ -154,6 +156,7 @@ class GradientAllReduce:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     sync: bool = True
     accept_sink: bool = False
+    _dirty: bool = field(default=False, init=False)
     _buckets: list[_Bucket] = field(default_factory=list, init=False)
     _final: set[int] = field(default_factory=set, init=False)
     _next: int = field(default=0, init=False)
@@ -200,9 +203,15 @@ class GradientAllReduce:
         masters' ``.grad`` (``sink=None``) or in the fused path's buffers ``sink``; launch
         (``async_op=True``) every bucket, in order, whose layers are all complete. A no-op while
         :attr:`sync` is off. Errors are kept and raised by :meth:`finish`."""
-        if not self.sync or self._error is not None or (sink is not None and not self.accept_sink):
+        if not self.sync or self._error is not None:
             return
         with self._lock:
+            if (sink is not None and not self.accept_sink) or not self._final.isdisjoint(layers):
+                # gradients that reach .grad after the launched copies (buffers added later, a second
+                # pipelined call in the same backward): finish() reduces everything from .grad
+                self._dirty = True
+            if self._dirty:
+                return
             self._final.update(layers)
             try:
                 while self._next < len(self._buckets) and self._buckets[self._next].layers <= self._final:
@@ -262,25 +271,31 @@ class GradientAllReduce:
         world = dist.get_world_size()
         with self._lock:
             launched, rest_buckets = self._buckets[:self._next], self._buckets[self._next:]
+            all_launched = launched
             error, self._error = self._error, None
+            dirty, self._dirty = self._dirty, False
             self._next = 0
             self._final.clear()
         try:
             if error is not None:
                 raise error
-            again: list[torch.Tensor] = []
+            if dirty or any(b.rereduce for b in launched):
+                # some gradient reached .grad after its bucket was launched: reduce every bucket from .grad
+                # (the mean of `prev_r + c` is `mean(prev_r) + c` for an already averaged part c)
+                for bucket in launched:
+                    if bucket.handle is not None:
+                        bucket.handle.wait()
+                launched, rest_buckets = [], self._buckets
             for bucket in launched:
                 if bucket.sink is not None:  # written into the buffers by sink_barrier (or unused: no loss backward)
                     if bucket.handle is not None:
                         bucket.handle.wait()
-                    if bucket.rereduce:
-                        again += bucket.params
                     continue
                 bucket.handle.wait()
                 _unflatten(bucket.buffer.div_(world), bucket.params, zeros_for_none=True)
                 self._count(bucket.buffer)
                 bucket.handle = bucket.buffer = None
-            rest = again + [p for b in rest_buckets for p in b.params]
+            rest = [p for b in rest_buckets for p in b.params]
             seen = {id(p) for b in self._buckets for p in b.params}
             rest += [p for p in extra_params if id(p) not in seen]
             if rest:
@@ -297,7 +312,7 @@ class GradientAllReduce:
         except Exception as exc:  # noqa: BLE001
             raise _fail("the gradient all-reduce", exc) from exc
         finally:
-            for bucket in launched:
+            for bucket in all_launched:
                 bucket.handle = bucket.buffer = bucket.sink = None
                 bucket.rereduce = False
             self._stats.seconds += time.perf_counter() - start
@@ -310,6 +325,7 @@ class GradientAllReduce:
             self._next = 0
             self._final.clear()
             self._error = None
+            self._dirty = False
 
     def _count(self, buffer: torch.Tensor) -> None:
         self._stats.bytes += buffer.numel() * buffer.element_size()
