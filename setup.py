@@ -12,7 +12,7 @@ setup(
     packages=find_packages(include=["lightning_roundpipe", "lightning_roundpipe.*"]) + ["lightning_roundpipe.conf"],
     package_dir={"lightning_roundpipe.conf": "conf"},
     package_data={
-        "lightning_roundpipe.conf": ["*.yaml", "*/*.yaml"],
+        "lightning_roundpipe.conf": ["*.yaml", "*/*.yaml", "*/*/*.yaml"],
         "lightning_roundpipe.simulate": ["data/*.csv", "data/*.md"],
     },
 )

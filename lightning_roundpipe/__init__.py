@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from lightning_roundpipe import _register  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["RoundPipeConfig", "RoundPipeMetricsCallback", "RoundPipePrecision", "RoundPipeStrategy", "__version__"]
+__all__ = ["DataParallel", "RoundPipeConfig", "RoundPipeMetricsCallback", "RoundPipePrecision", "RoundPipeStrategy",
+           "__version__"]
 
 _LAZY = {
+    "DataParallel": "lightning_roundpipe.config",
     "RoundPipeConfig": "lightning_roundpipe.config",
     "RoundPipeMetricsCallback": "lightning_roundpipe.integration.callbacks",
     "RoundPipePrecision": "lightning_roundpipe.integration.precision",
@@ -29,7 +31,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from lightning_roundpipe.config import RoundPipeConfig
-    from lightning_roundpipe.integration import RoundPipeMetricsCallback, RoundPipePrecision, RoundPipeStrategy
+    from lightning_roundpipe.integration import DataParallel, RoundPipeMetricsCallback, RoundPipePrecision, RoundPipeStrategy
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -25,6 +26,9 @@ DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 DEFAULT_TRACE_EVERY_N_STEPS = 50
 """Default batches between two step traces (:attr:`RoundPipeConfig.trace_every_n_steps`)."""
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""Default largest all-reduce bucket across nodes, bytes of fp32 gradients (25 MiB, as DDP's ``bucket_cap_mb``)."""
 
 PARTITION_MODES = ("auto", "default")
 OPTIMIZER_MODES = ("sync", "async")
@@ -66,6 +70,49 @@ def _as_ranges(name: str, stages: Any) -> tuple[range, ...] | None:
                 " from the command line: strategy.forward_stages=[[0,3],[3,6]]."
             )
     return tuple(out)
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataParallel:
+    """Settings of the data parallelism across nodes (used only when ``world_size > 1``).
+
+    A field of :class:`RoundPipeConfig` (``RoundPipeStrategy(data_parallel=DataParallel(...))``; from the
+    command line ``strategy.data_parallel.timeout_s=60``).
+
+    Attributes:
+        timeout_s: the process group's timeout, seconds: a collective that waits longer for a
+            peer raises on every rank still alive (gloo; default 1800 as torch's
+            ``default_pg_timeout``). A process that exits or is killed closes its connections, so
+            its peers fail at their next collective within seconds whatever this is.
+        bucket_bytes: largest all-reduce bucket, bytes of fp32 gradients (default 25 MiB, as
+            DistributedDataParallel's ``bucket_cap_mb``).
+        overlap: start a bucket's all-reduce as soon as its layers' gradients are complete, while
+            the backward stages of earlier layers still run (transparent path; fused path on the
+            first backward of an optimizer step; not with ``optimizer="async"``); ``False``: all
+            buckets after the backward.
+        global_num_items: Hugging Face causal LMs called with ``labels`` and no
+            ``num_items_in_batch``: normalise the loss by the label tokens of the *global* batch
+            (all-reduced; :func:`~lightning_roundpipe.runtime.allreduce.global_item_count`), so the
+            averaged gradient equals one process on the global batch also with unequal token
+            counts per process (as transformers' Trainer does for DDP). ``False``: each process
+            normalises by its own batch (as plain DDP would).
+    """
+
+    timeout_s: float = 1800.0
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    overlap: bool = True
+    global_num_items: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"`DataParallel(timeout_s=...)` must be a positive number of seconds, got {self.timeout_s!r}."
+                             " HINT: 1800 (torch's default); a few seconds only in tests.")
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"`DataParallel(bucket_bytes=...)` must be a positive int, got {self.bucket_bytes!r}."
+                             " HINT: 25 * 2**20 (25 MiB, as DDP).")
+        for name in ("overlap", "global_num_items"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`DataParallel({name}=...)` must be a bool, got {getattr(self, name)!r}.")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -145,6 +192,11 @@ class RoundPipeConfig:
     """``float > 0`` or ``None``, FLOP/s of one device in the compute dtype (dense); default ``None``:
     looked up by GPU name (``runtime.flops.PEAK_FLOPS``), no ``roundpipe/mfu(%)`` on CPU."""
 
+    data_parallel: DataParallel = field(default_factory=DataParallel)
+    """:class:`DataParallel` (or a mapping of its fields); default ``DataParallel()``. Data parallelism
+    across nodes (``Trainer(num_nodes=N)``, one process per node): process group timeout, all-reduce
+    bucket size, overlap with the backward, global token count. Ignored with one node."""
+
     def __post_init__(self) -> None:
         n = self.num_microbatches
         if n is not None and (not _is_int(n) or n < 1):
@@ -200,6 +252,14 @@ class RoundPipeConfig:
                                  " HINT: 165.2e12 is an RTX 4090's dense bf16 peak; None looks known GPUs up by name.")
             object.__setattr__(self, "peak_flops", float(peak))
 
+        data_parallel = self.data_parallel
+        if isinstance(data_parallel, Mapping):  # e.g. a dict or a Hydra DictConfig
+            data_parallel = DataParallel(**{k: v for k, v in data_parallel.items() if k != "_target_"})
+        if not isinstance(data_parallel, DataParallel):
+            raise TypeError(f"`data_parallel` must be a `DataParallel` or None, got {type(data_parallel).__name__}."
+                            " HINT: `RoundPipeStrategy(data_parallel=DataParallel(timeout_s=60))`.")
+        object.__setattr__(self, "data_parallel", data_parallel)
+
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         """The fields, in declaration order (the keys of ``conf/strategy/roundpipe.yaml`` besides ``_target_``)."""
@@ -207,7 +267,7 @@ class RoundPipeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain data (stages as ``[start, stop]`` lists), e.g. for logged hyperparameters."""
-        out = asdict(self)
+        out = asdict(self)  # data_parallel becomes a dict of its fields
         for key in ("forward_stages", "backward_stages"):
             if out[key] is not None:
                 out[key] = [[r.start, r.stop] for r in out[key]]

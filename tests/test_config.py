@@ -245,7 +245,12 @@ def test_strategy_config_keys_are_the_config_fields() -> None:
     defaults = RoundPipeConfig()
     signature = inspect.signature(lightning_roundpipe.RoundPipeStrategy)
     for field in dataclasses.fields(RoundPipeConfig):
-        assert cfg.strategy[field.name] == getattr(defaults, field.name), field.name
+        default = getattr(defaults, field.name)
+        if dataclasses.is_dataclass(default):  # a nested settings object (data_parallel): one key per field
+            assert dict(cfg.strategy[field.name]) == dataclasses.asdict(default), field.name
+            assert signature.parameters[field.name].default is None, field.name  # None: the default object
+            continue
+        assert cfg.strategy[field.name] == default, field.name
         assert signature.parameters[field.name].default == field.default, field.name
     source = inspect.getsource(RoundPipeConfig)
     for name in RoundPipeConfig.field_names():
@@ -261,14 +266,18 @@ def test_hydra_overrides_reach_the_strategy() -> None:
                    "strategy.module=model", "strategy.partition=default", "strategy.profile_steps=4",
                    "strategy.forward_stages=[[0,3],[3,7]]", "strategy.backward_stages=[[3,7],[0,3]]",
                    "strategy.chunk_bytes=1048576", "strategy.microbatches_per_round=2",
-                   "strategy.cpu_link_bytes_per_s=25e9", "strategy.debug_copy_delay_s=0.01")
+                   "strategy.cpu_link_bytes_per_s=25e9", "strategy.debug_copy_delay_s=0.01",
+                   "strategy.trace_every_n_steps=7", "strategy.peak_flops=1e12", "strategy.data_parallel.timeout_s=60",
+                   "strategy.data_parallel.overlap=false")
     strategy = instantiate(cfg.strategy)
     assert isinstance(strategy, lightning_roundpipe.RoundPipeStrategy)
     config = strategy.config
     assert config == lightning_roundpipe.RoundPipeConfig(
         fused_loss=False, optimizer="async", num_microbatches=5, module="model", partition="default", profile_steps=4,
         forward_stages=[(0, 3), (3, 7)], backward_stages=[(3, 7), (0, 3)], chunk_bytes=2**20,
-        microbatches_per_round=2, cpu_link_bytes_per_s=25e9, debug_copy_delay_s=0.01)
+        microbatches_per_round=2, cpu_link_bytes_per_s=25e9, debug_copy_delay_s=0.01, trace_every_n_steps=7,
+        peak_flops=1e12, data_parallel=lightning_roundpipe.DataParallel(timeout_s=60, overlap=False))
+    assert strategy.data_parallel.timeout_s == 60 and strategy.data_parallel.bucket_bytes == 25 * 2**20
     assert config.forward_stages == (range(0, 3), range(3, 7))
     assert strategy.fused_loss is False and strategy.optimizer_mode == "async" and strategy.num_microbatches == 5
     assert strategy.partition.backward_stages == (range(3, 7), range(0, 3))
@@ -345,3 +354,13 @@ def test_progress_bar_of_a_step_limited_run_shows_no_negative_epoch(tmp_path: Pa
     assert isinstance(trainer.progress_bar_callback, StepProgressBar)
     trainer = build_trainer(cfg, "auto", [], [], devices=1, enable_progress_bar=False)
     assert trainer.progress_bar_callback is None
+
+
+def test_slurm_launcher_composes() -> None:
+    """The SLURM launcher choice (config only: no SLURM here): one task per node."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    cfg = _compose("hydra/launcher=roundpipe_slurm", "hydra.launcher.nodes=3", "trainer.num_nodes=3")
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (3, 1, 8)
+    assert cfg.trainer.num_nodes == 3

@@ -182,6 +182,12 @@ def test_bf16_mixed_trains():
     assert t.global_step == 3
 
 
-def test_multi_node_is_rejected():
-    with pytest.raises(ValueError, match="num_nodes"):
-        trainer("roundpipe", devices=2, num_nodes=2)
+def test_multi_node_without_a_launch_says_how(monkeypatch):
+    """`num_nodes=2` is one process per node (tests/test_data_parallel.py); started alone, without
+    `MASTER_PORT`, the run says how to launch it instead of waiting for peers."""
+    for key in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    t = trainer("roundpipe", devices=2, num_nodes=2, max_steps=1)
+    assert t.world_size == 2 and t.num_devices == 2
+    with pytest.raises(ValueError, match="MASTER_PORT.*NODE_RANK=k"):
+        t.fit(MLPModule(), loader(VectorData(n=7)))

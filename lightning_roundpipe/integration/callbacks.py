@@ -8,6 +8,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_roundpipe.integration.data_parallel import node_metrics
 from lightning_roundpipe.integration.trace import (
     DEFAULT_TRACE_EVERY_N_STEPS,
     StepRecord,
@@ -35,7 +36,11 @@ class RoundPipeMetricsCallback(Callback):
     :func:`~lightning_roundpipe.runtime.memory.host_memory`). With
     ``RoundPipeStrategy(optimizer="async")`` also ``roundpipe/optimizer_thread(s)`` and
     ``roundpipe/optimizer_wait(s)`` (:meth:`AsyncOptimizer.pop_metrics`). Evaluation phases are
-    not logged (the engine keeps no timeline of them).
+    not logged (the engine keeps no timeline of them). With several nodes (one process each) rank 0
+    logs every node's keys with the node in them, ``roundpipe/node1/device0/bubble(%)``, plus
+    ``roundpipe/allreduce(s)`` (the largest over the nodes of the main thread's seconds in the
+    gradient all-reduce) and ``roundpipe/allreduce(bytes)`` (fp32 bytes each node all-reduced)
+    (:func:`~lightning_roundpipe.integration.data_parallel.node_metrics`).
 
     Throughput (:func:`~lightning_roundpipe.integration.trace.throughput_metrics`):
     ``roundpipe/samples_per_s`` (dim 0 of the batch over ``step(s)``), for batches with
@@ -98,6 +103,7 @@ class RoundPipeMetricsCallback(Callback):
         async_optimizer = getattr(trainer.strategy, "async_optimizer", None)
         if metrics and async_optimizer is not None:
             metrics.update(async_optimizer.pop_metrics())
+        metrics = node_metrics(trainer.strategy, metrics)  # several nodes: rank 0 logs every node's keys
         if metrics:
             precision = trainer.strategy.precision_plugin
             dtype = getattr(precision, "autocast_dtype", None) or getattr(precision, "compute_dtype", None)

@@ -1,11 +1,14 @@
 """`RoundPipeStrategy`: ``Trainer(strategy="roundpipe")``.
 
-A single-process strategy: the LightningModule (its parameters are the master weights), the
+One process per node (a ``ParallelStrategy`` with ``world_size = num_nodes``; with one node no
+process group is made): the LightningModule (its parameters are the master weights), the
 optimizer and the batches stay on the CPU; ``parallel_devices`` are the stateless workers the
 :class:`~lightning_roundpipe.runtime.engine.RoundPipeEngine` dispatches stages to round-robin. The
 strategy only adapts Lightning's hooks: find the module, build the engine in ``setup``, install the
 pipelined forward, and close it in ``teardown``; with ``optimizer="async"`` it also hands the
-optimizer steps to :class:`~lightning_roundpipe.integration.async_step.AsyncOptimizer`.
+optimizer steps to :class:`~lightning_roundpipe.integration.async_step.AsyncOptimizer`. Across
+nodes the host gradients are averaged before the optimizer step
+(:mod:`~lightning_roundpipe.integration.data_parallel`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from typing import Any, Sequence
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -23,7 +25,8 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_roundpipe.adapters import FAMILIES, is_supported, make_layer_sequence
-from lightning_roundpipe.config import DEFAULT_TRACE_EVERY_N_STEPS, RoundPipeConfig
+from lightning_roundpipe.config import DEFAULT_TRACE_EVERY_N_STEPS, DataParallel, RoundPipeConfig
+from lightning_roundpipe.integration import data_parallel as dp
 from lightning_roundpipe.integration.async_step import AsyncOptimizer
 from lightning_roundpipe.integration.precision import RoundPipePrecision
 from lightning_roundpipe.partition.types import PartitionPlan
@@ -62,7 +65,8 @@ def _make_config(config: RoundPipeConfig | None, given: dict[str, Any]) -> Round
     if not isinstance(config, RoundPipeConfig):
         raise TypeError(f"`config` must be a `lightning_roundpipe.RoundPipeConfig`, got {type(config).__name__}."
                         " HINT: RoundPipeStrategy(config=RoundPipeConfig(num_microbatches=4)).")
-    defaults = {f.name: f.default for f in dataclasses.fields(RoundPipeConfig)}
+    default_config = RoundPipeConfig()
+    defaults = {f.name: getattr(default_config, f.name) for f in dataclasses.fields(RoundPipeConfig)}
     clash = sorted(k for k, v in given.items() if v is not defaults[k] and v != defaults[k])
     if clash:
         raise ValueError(f"`RoundPipeStrategy` got both `config` and {', '.join(f'`{k}`' for k in clash)}."
@@ -70,13 +74,13 @@ def _make_config(config: RoundPipeConfig | None, given: dict[str, Any]) -> Round
     return config
 
 
-class RoundPipeStrategy(SingleDeviceStrategy):
+class RoundPipeStrategy(dp.NodeParallelStrategy):
     """RoundPipe pipeline training (arXiv 2604.27085) for Lightning.
 
     Args:
         num_microbatches, module, partition, profile_steps, fused_loss, forward_stages,
             backward_stages, chunk_bytes, microbatches_per_round, cpu_link_bytes_per_s,
-            debug_copy_delay_s, optimizer, trace_every_n_steps, peak_flops: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
+            debug_copy_delay_s, optimizer, trace_every_n_steps, peak_flops, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
             (type, unit, default and meaning are documented there), gathered into :attr:`config`. In
             short: ``num_microbatches`` (default devices + 1), ``module`` (the attribute to pipeline),
             ``partition`` (``"auto"``: re-cut from ``profile_steps`` profiled steps), ``fused_loss``
@@ -86,10 +90,13 @@ class RoundPipeStrategy(SingleDeviceStrategy):
             ``debug_copy_delay_s`` (CPU virtual devices), ``optimizer`` (``"sync"`` or ``"async"``,
             see *Asynchronous optimizer* below), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
             timeline PNG every N batches into ``<trainer.log_dir>/roundpipe/`` and W&B; 0: off),
-            ``peak_flops`` (device peak FLOP/s for ``roundpipe/mfu(%)``; looked up by GPU name).
+            ``peak_flops`` (device peak FLOP/s for ``roundpipe/mfu(%)``; looked up by GPU name),
+            ``data_parallel`` (:class:`~lightning_roundpipe.DataParallel`: the data parallelism across
+            nodes, ``Trainer(num_nodes=N)`` with one process per node; ignored with one node).
         config: a :class:`~lightning_roundpipe.RoundPipeConfig` instead of those keyword arguments
             (then they must stay at their defaults).
-        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning strategies;
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
+            Lightning strategies;
             ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``,
             the precision plugin from ``Trainer(precision=...)``: Lightning's plugin is wrapped in a
             :class:`~lightning_roundpipe.RoundPipePrecision` (``16-mixed`` on the CPU computes in
@@ -156,8 +163,10 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         optimizer: str = "sync",
         trace_every_n_steps: int | None = DEFAULT_TRACE_EVERY_N_STEPS,
         peak_flops: float | None = None,
+        data_parallel: DataParallel | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
         config: RoundPipeConfig | None = None,
@@ -167,12 +176,13 @@ class RoundPipeStrategy(SingleDeviceStrategy):
                  "backward_stages": backward_stages, "chunk_bytes": chunk_bytes,
                  "microbatches_per_round": microbatches_per_round, "cpu_link_bytes_per_s": cpu_link_bytes_per_s,
                  "debug_copy_delay_s": debug_copy_delay_s, "optimizer": optimizer,
-                 "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops}
+                 "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops,
+                 "data_parallel": DataParallel() if data_parallel is None else data_parallel}
         self.config = _make_config(config, given)
         # the plugin used while none is set; not stored in `_precision_plugin`, which Lightning reads as the user's choice
         self._default_precision = RoundPipePrecision()
-        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self.parallel_devices = parallel_devices
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         cfg = self.config
         self.partition = PartitionPlan(cfg.forward_stages, cfg.backward_stages) if cfg.forward_stages is not None else None
         self.partition_mode = "explicit" if cfg.forward_stages is not None else cfg.partition
@@ -198,6 +208,7 @@ class RoundPipeStrategy(SingleDeviceStrategy):
     trace_every_n_steps = property(lambda self: self.config.trace_every_n_steps or 0,
                                    doc="`RoundPipeConfig.trace_every_n_steps` (0: off).")
     peak_flops = property(lambda self: self.config.peak_flops, doc="`RoundPipeConfig.peak_flops`.")
+    data_parallel = property(lambda self: self.config.data_parallel, doc="`RoundPipeConfig.data_parallel`.")
 
     # ------------------------------------------------------------------ precision
     @property
@@ -212,26 +223,14 @@ class RoundPipeStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ devices
     @property
-    def num_nodes(self) -> int:
-        """Always 1: RoundPipe is a single-process, single-machine strategy."""
-        return 1
-
-    @num_nodes.setter
-    def num_nodes(self, value: int) -> None:
-        if value != 1:
-            raise ValueError(
-                f"`RoundPipeStrategy` runs in one process on one machine; got `num_nodes={value}`."
-                " HINT: use `Trainer(num_nodes=1, devices=N)` with the N GPUs (or CPU virtual devices) of this machine."
-            )
-
-    @property
     def num_devices(self) -> int:
-        """Number of pipeline devices (workers)."""
+        """Number of pipeline devices (workers) of this node."""
         return len(self.parallel_devices or [torch.device("cpu")])
 
     @override
     def setup_environment(self) -> None:
         assert self.accelerator is not None
+        super().setup_environment()  # several nodes: the process group (NodeParallelStrategy)
         devices = self.parallel_devices or [torch.device("cpu")]
         # the master weights live on the CPU; the accelerator is set up for the first worker device
         self.accelerator.setup_device(devices[0])
@@ -239,6 +238,7 @@ class RoundPipeStrategy(SingleDeviceStrategy):
     # ------------------------------------------------------------------ setup / teardown
     @override
     def setup(self, trainer: Any) -> None:
+        dp.warn_devices_auto(trainer)
         super().setup(trainer)
         target = self._find_module()
         seq = make_layer_sequence(target)
@@ -267,6 +267,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
                 self._async.uninstall()
                 self._async = None
                 raise
+        if fitting and self.world_size > 1:
+            self.data_parallel_sync = dp.DataParallelSync(self.engine, self.lightning_module, self.data_parallel)
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_roundpipe.integration.callbacks import RoundPipeMetricsCallback
 
@@ -362,6 +364,8 @@ class RoundPipeStrategy(SingleDeviceStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
         self.wait_for_optimizer()  # the pipeline's gradients waited already; anything else written now is safe
+        if self.data_parallel_sync is not None:
+            self.data_parallel_sync.after_backward()  # before clipping and the optimizer step: the global gradient
         return out
 
     @override
@@ -389,10 +393,13 @@ class RoundPipeStrategy(SingleDeviceStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if self._async is not None:
             self._async.wait(raise_errors=False)
-        super().on_exception(exception)
+        super().on_exception(exception)  # several nodes: leave the process group, so every rank stops
 
     @override
     def teardown(self) -> None:
+        if self.data_parallel_sync is not None:
+            self.data_parallel_sync.close()
+            self.data_parallel_sync = None
         if self._async is not None:
             self._async.uninstall()
             self._async = None
@@ -414,4 +421,4 @@ class RoundPipeStrategy(SingleDeviceStrategy):
 
     def __repr__(self) -> str:
         return (f"RoundPipeStrategy(num_microbatches={self.num_microbatches}, module={self.module_name!r},"
-                f" devices={self.num_devices}, optimizer={self.optimizer_mode!r})")
+                f" devices={self.num_devices}, num_nodes={self.num_nodes}, optimizer={self.optimizer_mode!r})")

@@ -149,6 +149,10 @@ class RoundPipeEngine:
         ``.grad`` (the asynchronous optimizer waits there for the step in flight, paper section 4);
         while set, the transparent path's backward stages also collect their gradients in CPU
         buffers first, so they run while that step is in flight."""
+        self.sink_barrier: Callable[[dict], None] | None = None
+        """Fused path: called in the main thread with the gradient buffers (``id(master) ->
+        (master, grad)``) right before the loss's backward adds them into ``.grad`` (the
+        data-parallel all-reduce of buffers launched during the pipeline is waited for there)."""
         for name, value in (("auto_partition_after_steps", auto_partition_after_steps), ("profile_steps", profile_steps)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
                 raise ValueError(f"`{name}` must be an int >= 2 (the first step is warm-up) or None, got {value!r}.")
@@ -489,6 +493,8 @@ class RoundPipeEngine:
                 return [None] * len(input_grads)
             if self.grad_barrier is not None:
                 self.grad_barrier()
+            if self.sink_barrier is not None:
+                self.sink_barrier(sink)
             for master, buf in sink.values():
                 contrib = scaled(buf, g)
                 if master.grad is None:

@@ -200,6 +200,12 @@ class Executor:
         self.host = StreamThread("roundpipe-host-grads")
         self.error_notes = ErrorNotes(seq)
         self.peak_grad_bytes = 0  # most bytes of gradients (.grad and host buffers) at once since the last pop
+        self.grads_final_hook: Callable[[range, dict | None], None] | None = None
+        """Host thread, after a backward stage's last dispatch of the program added its gradients
+        into the masters' ``.grad``, or into ``state.grad_sink`` (fused path): called with the
+        stage's layers and that sink (``None``: ``.grad``), whose entries for those layers are then
+        complete for this backward (the data-parallel all-reduce starts there:
+        :mod:`~lightning_roundpipe.runtime.allreduce`)."""
         self._dispatch: dict[OpKind, Callable[[Backend, Op, ProgramRun], int]] = {
             OpKind.LOAD: self._load, OpKind.H2D: self._h2d, OpKind.GH2D: self._gh2d,
             OpKind.F: self._forward, OpKind.X: self._fused, OpKind.R: self._recompute, OpKind.B: self._backward,
@@ -295,6 +301,10 @@ class Executor:
             order = {s.stage_index: i for i, s in enumerate(run.plan.backward_stages)}
             dispatches = sorted((d for d in plan_dispatches(run.plan) if d.stage_index in order),
                                 key=lambda d: (d.round_index, order[d.stage_index]))
+            last_round: dict[int, int] = {}
+            for dispatch in dispatches:
+                last_round[dispatch.stage_index] = max(last_round.get(dispatch.stage_index, -1), dispatch.round_index)
+            hook = self.grads_final_hook
             for dispatch in dispatches:
                 op = Op(OpKind.WD2H, dispatch.stage_index, None, None, dispatch.round_index)
                 run.wait(run.issued[op])
@@ -305,6 +315,8 @@ class Executor:
                 retained = self.store.add_grads(pairs, run.state.grad_sink)
                 run.add_grad_buffer_bytes(retained - sum(g.numel() * g.element_size() for _, g in pairs),
                                           self.store.grad_bytes())
+                if hook is not None and dispatch.round_index == last_round[dispatch.stage_index]:
+                    hook(run.plan.stages[dispatch.stage_index].layers, run.state.grad_sink)
         except _Aborted:
             return
         except BaseException as error:
