@@ -254,7 +254,13 @@ class RoundPipeConfig:
 
         data_parallel = self.data_parallel
         if isinstance(data_parallel, Mapping):  # e.g. a dict or a Hydra DictConfig
-            data_parallel = DataParallel(**{k: v for k, v in data_parallel.items() if k != "_target_"})
+            given = {k: v for k, v in data_parallel.items() if k != "_target_"}
+            valid = [f.name for f in fields(DataParallel)]
+            unknown = sorted(set(given) - set(valid))
+            if unknown:
+                raise TypeError(f"`data_parallel` has no field {', '.join(f'`{k}`' for k in unknown)}; valid: {valid}."
+                                " HINT: strategy.data_parallel.timeout_s=60 from the command line.")
+            data_parallel = DataParallel(**given)
         if not isinstance(data_parallel, DataParallel):
             raise TypeError(f"`data_parallel` must be a `DataParallel` or None, got {type(data_parallel).__name__}."
                             " HINT: `RoundPipeStrategy(data_parallel=DataParallel(timeout_s=60))`.")

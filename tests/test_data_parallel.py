@@ -210,4 +210,8 @@ def test_data_parallel_settings_are_checked():
     with pytest.raises(ValueError, match="timeout_s"):
         lightning_roundpipe.DataParallel(timeout_s=0)
     with pytest.raises(TypeError, match="DataParallel"):
-        lightning_roundpipe.RoundPipeStrategy(data_parallel={"timeout_s": 5})
+        lightning_roundpipe.RoundPipeStrategy(data_parallel=5)
+    # a mapping of its fields (what Hydra passes for `strategy.data_parallel.*`) is converted and checked
+    assert lightning_roundpipe.RoundPipeStrategy(data_parallel={"timeout_s": 5}).data_parallel.timeout_s == 5
+    with pytest.raises(TypeError, match=r"no field `timeout`; valid: \['timeout_s'"):
+        lightning_roundpipe.RoundPipeStrategy(data_parallel={"timeout": 5})

@@ -115,7 +115,7 @@ class RoundPipeMetricsCallback(Callback):
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
             pl_module.log_dict(bar, on_step=True, on_epoch=False, batch_size=1, prog_bar=True)
             metrics.update(bar)
-        if traced and metrics and self._batch_start is not None:
+        if traced and metrics and self._batch_start is not None and trainer.is_global_zero:  # several nodes: rank 0's
             record = StepRecord(timelines, programs, self._batch_start, now, self._optimizer_start)
             tracer.trace(trainer, engine, record, metrics)
 

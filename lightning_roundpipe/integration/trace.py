@@ -29,6 +29,20 @@ from lightning_roundpipe.schedule.program import OpKind, StreamProgram
 
 __all__ = ["StepTracer", "throughput_metrics"]
 
+def _log_dir(trainer: Any) -> Path:
+    """``trainer.log_dir`` without its broadcast (a collective: with several nodes only rank 0 traces,
+    so it must not wait for the others): the first logger's ``log_dir`` (TensorBoard, CSV) or
+    ``save_dir``, else ``default_root_dir``."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    if trainer.loggers:
+        first = trainer.loggers[0]
+        folder = first.log_dir if isinstance(first, (TensorBoardLogger, CSVLogger)) else first.save_dir
+    else:
+        folder = None
+    return Path(folder or trainer.default_root_dir)
+
+
 # ---------------------------------------------------------------------------------------- throughput
 def batch_size_of(batch: Any) -> tuple[int, int | None, int | None]:
     """``(samples, tokens, seq_len)`` of a training batch.
@@ -173,7 +187,7 @@ class StepTracer:
             host.append(HostSpan("optimizer", "optimizer step", record.optimizer_start_s - origin, step_s))
         predicted = self._predicted(engine, record.programs, optimizer_s)
         step = trainer.global_step
-        folder = Path(trainer.log_dir or trainer.default_root_dir) / "roundpipe"
+        folder = _log_dir(trainer) / "roundpipe"
         params = plan_params(engine, record.programs) if record.programs else {}
         wanted = ("roundpipe/step(s)", "roundpipe/predicted_step(s)", "roundpipe/bubble(%)", "roundpipe/tokens_per_s")
         meta = {"step": step, **params, **{k: metrics[k] for k in wanted if k in metrics}}
