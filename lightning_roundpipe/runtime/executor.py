@@ -38,6 +38,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.adapters.base import LayerSequence
+from lightning_roundpipe.adapters.chunked_loss import loss_only
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
 from lightning_roundpipe.runtime.carry import diff_leaves, grad_leaves, grad_positions, snapshot
@@ -462,7 +463,7 @@ class Executor:
         m = op.microbatch_index
         carry, leaves = self._leaves(run.slots.pop(("in", op.stage_index, m)), spec.layers.start, run)
         with torch.enable_grad():
-            with self._autocast(backend):
+            with self._autocast(backend), loss_only():  # nobody reads the fused tail's logits: chunked loss
                 out, layer_s = self._call_layers(backend, run, self._stage_key(run, op), spec.layers, carry, m,
                                                  profile_kind="forward")
             loss = out[self.seq.loss_key]
