@@ -10,7 +10,7 @@ Measure: the process's peak resident set (``resource.getrusage(RUSAGE_SELF).ru_m
 step minus its current resident set (``/proc/self/statm``) right before it, so imports and inputs do
 not count (``torch.cuda.max_memory_allocated`` does not exist on the CPU; tensors this large are
 ``mmap``-ed by glibc and returned to the system when freed, so the RSS peak is the allocator peak).
-Printed beside it: the cost model's tail figure (``CostModel.layer_costs(...)[-1].saved_activation_bytes``
+Printed beside the chunked figure: the cost model's (``CostModel.layer_costs(...)[-1].saved_activation_bytes``
 plus the LM head gradient), which the partitioner and the planner use.
 
 Run: ``python benchmarks/chunked_loss.py [--seqs 256 2048 8192] [--vocab 49152]``.
@@ -63,14 +63,14 @@ def measure(seq: int, vocab: int, hidden: int, chunked: bool) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def modelled(seq: int, vocab: int, hidden: int, chunked: bool) -> int:
+def modelled(seq: int, vocab: int, hidden: int) -> int:
     """The cost model's tail memory for one microbatch: saved activations plus the LM head's gradient, bytes."""
     from lightning_roundpipe.partition.costmodel import CostModel, ModelShape
 
     shape = ModelShape.from_config(dict(model_type="llama", hidden_size=hidden, intermediate_size=4 * hidden,
                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                                         vocab_size=vocab))
-    cm = CostModel() if chunked else CostModel(loss_chunk_bytes=None)
+    cm = CostModel()
     tail = cm.layer_costs(shape, seq_len=seq, microbatch_size=1, compute_dtype_bytes=4)[-1]
     return tail.saved_activation_bytes + vocab * hidden * 4
 
@@ -82,13 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=64)
     args = p.parse_args(argv)
     print(f"tail peak memory above the pre-step RSS, MiB (batch 1, hidden {args.hidden}, vocab {args.vocab}, fp32)")
-    print(f"{'seq':>6} | {'chunked':>9} {'model':>7} | {'unchunked':>9} {'model':>7} | {'unchunked/chunked':>17} | loss equal")
+    print(f"{'seq':>6} | {'chunked':>9} {'model':>7} | {'unchunked':>9} | {'unchunked/chunked':>17} | loss equal")
     for seq in args.seqs:
         c = measure(seq, args.vocab, args.hidden, True)
         u = measure(seq, args.vocab, args.hidden, False)
         assert not c["logits"] and u["logits"]
-        print(f"{seq:>6} | {c['peak_bytes'] / MiB:>9.0f} {modelled(seq, args.vocab, args.hidden, True) / MiB:>7.0f} |"
-              f" {u['peak_bytes'] / MiB:>9.0f} {modelled(seq, args.vocab, args.hidden, False) / MiB:>7.0f} |"
+        print(f"{seq:>6} | {c['peak_bytes'] / MiB:>9.0f} {modelled(seq, args.vocab, args.hidden) / MiB:>7.0f} |"
+              f" {u['peak_bytes'] / MiB:>9.0f} |"
               f" {u['peak_bytes'] / max(c['peak_bytes'], 1):>17.2f} | {abs(c['loss'] - u['loss']) <= 1e-5}")
 
 

@@ -10,6 +10,8 @@ not with the sequence. The LM head weight's gradient is accumulated chunk by chu
 buffer: the weight is one leaf); this also holds for an LM head tied to the embedding and for a
 PEFT-wrapped head, since the head is called as a module. Cost: one more LM-head GEMM per token in
 backward (the recomputation), the trade the chunked losses of Liger-Kernel and torchtune make.
+Within a chunk, :class:`ChunkCrossEntropy` holds two fp32 ``[tokens, vocab]`` tensors at most
+(:data:`LOSS_BYTES_PER_LOGIT`).
 
 The loss is the one of transformers' ``ForCausalLMLoss`` (``transformers/loss/loss_utils.py``):
 labels shifted left by one (the last position ignored), ``ignore_index`` positions skipped, logits
@@ -33,6 +35,11 @@ from torch.utils.checkpoint import checkpoint
 
 #: Default budget of one chunk's logits, bytes (in the logits' compute dtype): 256 MiB.
 DEFAULT_LOSS_CHUNK_BYTES = 256 * 2**20
+
+#: Bytes per logit a chunk holds at its peak (the chunk's backward) with fp32 logits: the fp32
+#: logits :class:`ChunkCrossEntropy` saves and its fp32 gradient (a compute dtype narrower than fp32
+#: adds the compute-dtype logits and gradient around them, transiently).
+LOSS_BYTES_PER_LOGIT = 8
 
 #: Set (``True``) while a fused tail runs whose caller needs only the loss (see the module docstring).
 LOSS_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("roundpipe_loss_only", default=False)
@@ -83,10 +90,41 @@ def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tens
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+class ChunkCrossEntropy(torch.autograd.Function):
+    """Summed token cross-entropy of one chunk, ``F.cross_entropy(logits.float(), labels, reduction="sum")``
+    with ``ignore_index``, holding less: forward keeps the fp32 logits and the per-token
+    ``logsumexp`` only, and backward writes ``softmax - one_hot`` into one fp32 buffer in place. So
+    a chunk's loss holds two fp32 ``[tokens, vocab]`` tensors at most (the logits and their
+    gradient; plus the compute-dtype logits when that is narrower), where the eager
+    ``log_softmax`` + ``nll_loss`` holds about four.
+
+    ``apply(logits, labels, ignore_index)``: logits float ``(tokens, vocab)``, labels int64
+    ``(tokens,)``; returns the fp32 scalar sum over non-ignored tokens.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        x = logits.float()
+        lse = torch.logsumexp(x, dim=-1)
+        valid = labels != ignore_index
+        safe = torch.where(valid, labels, 0)
+        picked = x.gather(1, safe.unsqueeze(1)).squeeze(1)
+        ctx.save_for_backward(x, lse, safe, valid)
+        ctx.logits_dtype = logits.dtype
+        return ((lse - picked) * valid).sum()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, lse, safe, valid = ctx.saved_tensors
+        grad = torch.sub(x, lse.unsqueeze(1)).exp_()  # softmax
+        grad.scatter_add_(1, safe.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
+        grad.mul_((grad_output * valid).unsqueeze(1))
+        return grad.to(ctx.logits_dtype), None, None
+
+
 def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor],
                     ignore_index: int) -> torch.Tensor:
-    logits = logits_fn(hidden)
-    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+    return ChunkCrossEntropy.apply(logits_fn(hidden), labels, ignore_index)
 
 
 def chunked_causal_lm_loss(

@@ -90,6 +90,12 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         debug_copy_delay_s: CPU virtual devices only, for debugging the runtime: every copy lands
             this many seconds late and its destination holds NaN meanwhile, so a missing
             dependency shows up as a wrong result (default 0: off).
+        device_memory_bytes: memory of one device, bytes. CPU virtual devices enforce it: a step
+            that would hold more on a device (weights, saved activations, per-op outputs) raises
+            :class:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryError` (a
+            ``torch.OutOfMemoryError``) naming the stage, the bytes asked and the budget. On GPUs it
+            replaces the device's total memory in the automatic partition's per-stage budget (half
+            of it). ``None`` (default): unlimited on CPU virtual devices, the GPU's memory on CUDA.
         optimizer: ``"sync"`` (default): Lightning's exact semantics, the optimizer step runs
             between two pipelines. ``"async"``: the paper's mode (section 4, "RoundPipe" vs
             "RoundPipe-sync"): the CPU optimizer step of step k runs on a background thread while
@@ -156,6 +162,7 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         microbatches_per_round: int | None = None,
         cpu_link_bytes_per_s: float | None = None,
         debug_copy_delay_s: float = 0.0,
+        device_memory_bytes: int | None = None,
         optimizer: str = "sync",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -183,6 +190,9 @@ class RoundPipeStrategy(SingleDeviceStrategy):
                 or not 0 <= debug_copy_delay_s < math.inf):
             raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {debug_copy_delay_s!r}."
                              " HINT: 0.05 makes a missing dependency show; 0 turns the delay off.")
+        if device_memory_bytes is not None:
+            _check_positive("device_memory_bytes", device_memory_bytes, integer=True,
+                            hint="e.g. 64 * 2**20 for 64 MiB per device")
         if not isinstance(fused_loss, bool):
             raise TypeError(f"`fused_loss` must be a bool, got {fused_loss!r}."
                             " HINT: `fused_loss=False` returns logits from a training call with `labels`.")
@@ -204,6 +214,7 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         self.microbatches_per_round = microbatches_per_round
         self.cpu_link_bytes_per_s = cpu_link_bytes_per_s
         self.debug_copy_delay_s = float(debug_copy_delay_s)
+        self.device_memory_bytes = device_memory_bytes
         self.optimizer_mode = optimizer
         self.engine: RoundPipeEngine | None = None
         self._async: AsyncOptimizer | None = None
@@ -259,7 +270,9 @@ class RoundPipeStrategy(SingleDeviceStrategy):
         m = self.num_microbatches or len(devices) + 1
         auto = self.partition_mode == "auto" and trainer.state.fn == TrainerFn.FITTING
         stage_memory = None
-        if devices[0].type == "cuda":
+        if self.device_memory_bytes is not None:
+            stage_memory = self.device_memory_bytes // 2  # double buffering: the next stage is prefetched
+        elif devices[0].type == "cuda":
             stage_memory = torch.cuda.get_device_properties(devices[0]).total_memory // 2  # double buffering
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.engine = RoundPipeEngine(seq, devices, m, self.partition, precision.compute_dtype, precision.autocast_dtype,
@@ -268,6 +281,7 @@ class RoundPipeStrategy(SingleDeviceStrategy):
                                       chunk_bytes=self.chunk_bytes, microbatches_per_round=self.microbatches_per_round,
                                       cpu_link_bytes_per_s=self.cpu_link_bytes_per_s,
                                       debug_copy_delay_s=self.debug_copy_delay_s,
+                                      device_memory_bytes=self.device_memory_bytes,
                                       profile_steps=self.profile_steps if fitting else None,
                                       loss_seed=precision.loss_seed)
         self.engine.install()

@@ -252,14 +252,17 @@ class CostModel:
     elementwise_traffic_factor: float = 3.0
     """Multiplier on the counted element-wise traffic: eager PyTorch makes several passes per op
     (fp32 upcasts in RMSNorm, separate kernels for rotary and SwiGLU)."""
-    loss_bytes_per_logit: int = 4
-    """Device bytes the fused tail holds per logit (compute-dtype logits and their gradient; a
-    compiled cross-entropy keeps no fp32 copy; eager Hugging Face loss holds about 14)."""
+    loss_bytes_per_logit: int | None = None
+    """Device bytes the fused tail holds per logit of a chunk at its peak. ``None`` (default): the
+    runtime's chunked loss (:class:`lightning_roundpipe.adapters.chunked_loss.ChunkCrossEntropy`):
+    the fp32 logits it saves and their fp32 gradient, 8 bytes, plus the compute-dtype logits'
+    gradient when the compute dtype is narrower (``8 + dtype bytes``). A compiled cross-entropy
+    that keeps no fp32 copy holds about 4; the eager Hugging Face loss about 16."""
     loss_chunk_bytes: int | None = 256 * 2**20
     """The fused tail computes the logits and the loss chunk by chunk over tokens, at most this many bytes
     of compute-dtype logits per chunk (the runtime's chunked loss,
     :mod:`lightning_roundpipe.adapters.chunked_loss`): the tail holds ``min(tokens, chunk tokens) * vocab
-    * loss_bytes_per_logit`` bytes for the loss, chunk tokens ``= loss_chunk_bytes // (vocab * dtype bytes)``.
+    * bytes_per_logit`` bytes for the loss, chunk tokens ``= loss_chunk_bytes // (vocab * dtype bytes)``.
     ``None``: unchunked (the whole microbatch's logits)."""
     causal_attention: bool = True
     """Count half of the ``s x s`` attention square (causal mask, skipped blocks)."""
@@ -269,10 +272,19 @@ class CostModel:
             v = getattr(self, name)
             if not 0 < v <= 1:
                 raise ValueError(f"`CostModel.{name}` must be in (0, 1], got {v!r}.")
+        if self.loss_bytes_per_logit is not None and (not isinstance(self.loss_bytes_per_logit, int)
+                                                      or self.loss_bytes_per_logit < 1):
+            raise ValueError(f"`CostModel.loss_bytes_per_logit` must be a positive int or None, got {self.loss_bytes_per_logit!r}.")
         if self.loss_chunk_bytes is not None and (not isinstance(self.loss_chunk_bytes, int) or self.loss_chunk_bytes < 1):
             raise ValueError(f"`CostModel.loss_chunk_bytes` must be a positive int or None, got {self.loss_chunk_bytes!r}.")
         if self.device_memory_bytes_per_s <= 0 or self.elementwise_traffic_factor < 0:
             raise ValueError("`CostModel.device_memory_bytes_per_s` must be > 0 and `elementwise_traffic_factor` >= 0.")
+
+    def bytes_per_logit(self, compute_dtype_bytes: int) -> int:
+        """Bytes per logit of the tail's loss chunk (``loss_bytes_per_logit``, or the runtime's figure)."""
+        if self.loss_bytes_per_logit is not None:
+            return self.loss_bytes_per_logit
+        return 8 + (compute_dtype_bytes if compute_dtype_bytes < 4 else 0)
 
     def loss_chunk_tokens(self, vocab_size: int, compute_dtype_bytes: int) -> int:
         """Tokens per chunk of the chunked loss: ``loss_chunk_bytes // (vocab_size * compute_dtype_bytes)``
@@ -371,7 +383,7 @@ class CostModel:
             name="tail", kind="tail", param_count=head + h, trainable_param_count=0 if frozen else head + h,
             forward_gemm_flops=2.0 * T * head, backward_gemm_flops=grad_mult * 2.0 * T * head,
             forward_elementwise_bytes=float(4 * T * h * B), forward_fused_bytes=float(T * V * 2 * B),
-            activation_bytes=T * h * B, saved_activation_bytes=2 * T * h * B + loss_tokens * V * self.loss_bytes_per_logit,
+            activation_bytes=T * h * B, saved_activation_bytes=2 * T * h * B + loss_tokens * V * self.bytes_per_logit(B),
         ))
         return out
 

@@ -274,7 +274,8 @@ class Executor:
                         if event is not None:
                             backend.wait_event(stream, event)
                     start = backend.timer_start(stream)
-                    nbytes = self._dispatch[op.kind](backend, op, run)
+                    with backend.op_scope(stream, f"stage {op.stage_index}, {op}"):
+                        nbytes = self._dispatch[op.kind](backend, op, run)
                     run.events[op] = backend.record(stream)
                     if op.kind is not OpKind.DROP:
                         run.spans.append((backend.device_index, op, backend.timer_span(stream, start), nbytes or 0))
