@@ -105,7 +105,8 @@ class ChunkCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
         x = logits.float()
-        lse = torch.logsumexp(x, dim=-1)
+        top = x.amax(dim=-1, keepdim=True)  # logsumexp with one [tokens, vocab] temporary (torch.logsumexp holds two)
+        lse = torch.sub(x, top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
         valid = labels != ignore_index
         safe = torch.where(valid, labels, 0)
         picked = x.gather(1, safe.unsqueeze(1)).squeeze(1)

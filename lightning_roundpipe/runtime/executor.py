@@ -246,9 +246,17 @@ class Executor:
             raise
         self.peak_grad_bytes = max(self.peak_grad_bytes, run.peak_grad_bytes)
         if run.error is not None:
-            error = run.error
+            run.resident.clear()
+            run.slots.clear()
+            for replicas in self.replicas:  # stages the failed program never dropped: free their device buffers
+                for replica in replicas:
+                    replica.unbind_all()
+            error, run.error = run.error, None  # no cycle run -> error -> traceback -> run: freed without gc
             error.add_note(run.error_context)
-            raise error
+            try:
+                raise error
+            finally:
+                del error
         for backend in self.backends:
             backend.synchronize()
         wall = time.perf_counter() - run.t0
@@ -438,6 +446,9 @@ class Executor:
         if (spec.kind == "forward" or spec.fused) and resident.buffer_pairs and any(
                 self.seq.layers[li].training for li in spec.layers):
             self.store.write_back_buffers(resident)
+        replicas = self.replicas[backend.device_index]
+        for li in spec.layers:  # the replicas must not keep the dropped buffer alive
+            replicas[li].unbind(resident.layer_tensors(li))
         with run._lock:
             run.resident_bytes[backend.device_index] -= resident.nbytes
         return 0

@@ -24,13 +24,13 @@ class LayerReplica:
     def __init__(self, layer: nn.Module) -> None:
         self.pairs: list[tuple[nn.Module, nn.Module]] = []
         self.module = self._copy(layer, {})
-        self._slots: dict[str, tuple[nn.Module, str, bool]] = {}
+        self._slots: dict[str, tuple[nn.Module, str, bool, nn.Module]] = {}
         for prefix, original in layer.named_modules(remove_duplicate=False):
             copy = self._find(prefix)
             for name in original._parameters:
-                self._slots[f"{prefix}.{name}" if prefix else name] = (copy, name, True)
+                self._slots[f"{prefix}.{name}" if prefix else name] = (copy, name, True, original)
             for name in original._buffers:
-                self._slots[f"{prefix}.{name}" if prefix else name] = (copy, name, False)
+                self._slots[f"{prefix}.{name}" if prefix else name] = (copy, name, False, original)
 
     def _copy(self, module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
         if id(module) in memo:
@@ -56,6 +56,23 @@ class LayerReplica:
         for original, copy in self.pairs:
             copy.training = original.training
         for name, tensor in tensors.items():
-            module, leaf, is_param = self._slots[name]
+            module, leaf, is_param, _ = self._slots[name]
             (module._parameters if is_param else module._buffers)[leaf] = tensor
         return self.module
+
+    def unbind(self, tensors: dict[str, "object"]) -> None:
+        """Point the slots still bound to ``tensors`` back at the original module's parameters and
+        buffers (host memory), so a dropped stage's device buffer is freed at its ``DROP``: a replica
+        must not keep it alive until the layer's next stage on this device."""
+        for name, tensor in tensors.items():
+            module, leaf, is_param, original = self._slots[name]
+            table = module._parameters if is_param else module._buffers
+            if table.get(leaf) is tensor:
+                table[leaf] = (original._parameters if is_param else original._buffers)[leaf]
+
+    def unbind_all(self) -> None:
+        """Point every slot back at the original module's tensors (after a failed program, whose
+        stages were never dropped)."""
+        for module, leaf, is_param, original in self._slots.values():
+            (module._parameters if is_param else module._buffers)[leaf] = \
+                (original._parameters if is_param else original._buffers)[leaf]
