@@ -259,8 +259,9 @@ def _check_single_layers(tab: _Tables, profiles: Sequence[LayerProfile], budget:
             gib = 2**30
             raise ValueError(
                 f"Layer {i} (`{profiles[i].name or i}`) alone needs {need / gib:.2f} GiB in a backward stage"
-                f" (weights {tab.param[i] / gib:.2f} GiB + gradients {tab.grad[i] / gib:.2f} GiB + saved activations"
-                f" {tab.saved[i] / gib:.2f} GiB + input/output {tab.io[i] / gib:.2f} GiB), over the per-stage memory"
+                f" (weights {tab.param[i] / gib:.2f} GiB + gradients {tab.grad[i] / gib:.2f} GiB + the larger of saved"
+                f" activations {tab.saved[i] / gib:.2f} GiB + input/output {tab.io[i] / gib:.2f} GiB and one fresh"
+                f" gradient {tab.grad[i] / gib:.2f} GiB), over the per-stage memory"
                 f" budget `stage_memory_bytes` = {budget / gib:.2f} GiB (half the device memory: the next stage is"
                 " prefetched). HINT: lower the microbatch size or the sequence length, train LoRA adapters only,"
                 " or use devices with more memory."
