@@ -117,3 +117,18 @@ def test_causal_lm_step_resets_gradients():
     model = tiny_smollm2(vocab_size=128)
     causal_lm_step(model, 2, 128)(8)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_planner_peak_memory_formula():
+    """Round robin on 2 devices: a stage's memory plus the weights of the stage after it on its device."""
+    from types import SimpleNamespace
+
+    from lightning_roundpipe.partition import LayerProfile, peak_device_memory_bytes
+
+    profiles = [LayerProfile(forward_s=1.0, backward_s=2.0, param_bytes=100 * (i + 1), activation_bytes=10) for i in range(3)]
+    mp = SimpleNamespace(profiles=profiles, saved_activation_bytes=(5, 5, 5))
+    stages = [("forward", range(0, 2)), ("fused", range(2, 3)), ("backward", range(1, 2)), ("backward", range(0, 1))]
+    # forward 0: 300 weights + 20 in/out, then stage 2's 200 prefetched = 520;
+    # fused tail: 300 weights + 300 grads + max(5 saved + 10 in/out, 300 fresh grad), then stage 3's 100 = 1000
+    assert peak_device_memory_bytes(mp, stages, 2) == 1000
+    assert peak_device_memory_bytes(mp, stages, 4) == 900  # no prefetch on the same device
