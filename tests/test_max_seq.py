@@ -132,3 +132,17 @@ def test_planner_peak_memory_formula():
     # fused tail: 300 weights + 300 grads + max(5 saved + 10 in/out, 300 fresh grad), then stage 3's 100 = 1000
     assert peak_device_memory_bytes(mp, stages, 2) == 1000
     assert peak_device_memory_bytes(mp, stages, 4) == 900  # no prefetch on the same device
+
+
+@pytest.mark.slow  # about 30 s: sequences up to 2048 tokens
+def test_max_seq_decoder_bound_agrees_with_the_planner(tmp_path):
+    """A small vocabulary: the decoder layers' activations (not the LM head) set the longest sequence."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1 << 16, tie_word_embeddings=True).save_pretrained(tmp_path)
+    args = argparse.Namespace(tiny=False, model=str(tmp_path), devices=2, accelerator="cpu", device_memory_mib=16.0,
+                              microbatches=None, microbatch_size=1, start=16, limit=8192, resolution=32)
+    r = make_report(args)
+    assert r.first_failing is not None and "stage" in r.error
+    assert abs(r.planned - r.measured) <= 0.2 * r.measured, r

@@ -355,7 +355,7 @@ class CostModel:
                 mlp_params = 3 * h * I
                 dense_active, expert_active = attn_params + mlp_params, 0
                 mlp_elems_per_tok = 3 * I
-                mlp_saved_per_tok = 4 * I * B
+                mlp_saved_per_tok = (4 + 3) * I * B  # saved: gate, up, act(gate), product; backward working set: 3 gradients of width I
             adapters = 0
             if lora is not None:
                 adapters = sum(lora.rank * (fi + fo) for name, (fi, fo) in targets.items() if name in lora.target_modules)
