@@ -146,3 +146,14 @@ def test_max_seq_decoder_bound_agrees_with_the_planner(tmp_path):
     r = make_report(args)
     assert r.first_failing is not None and "stage" in r.error
     assert abs(r.planned - r.measured) <= 0.2 * r.measured, r
+
+
+def test_fit_raises_device_memory_error_through_lightning():
+    """Trainer.fit with a budget below one stage's weights: the step raises the budget error."""
+    from lightning_roundpipe import RoundPipeStrategy
+    from _helpers import CausalLMModule, TokenData, loader, tiny_hf, trainer
+
+    module = CausalLMModule(tiny_hf("llama", layers=2))  # vocab 512 x hidden 32 fp32 = 64 KiB per embedding
+    t = trainer(RoundPipeStrategy(device_memory_bytes=32 * 1024, partition="default"), devices=2, max_steps=1)
+    with pytest.raises(DeviceMemoryError, match="device_memory_bytes=32768"):
+        t.fit(module, loader(TokenData(n=8), batch_size=4))
