@@ -118,14 +118,20 @@ def make_report(args: argparse.Namespace) -> MaxSeqReport:
     engine = RoundPipeEngine(make_layer_sequence(model), devices, M, device_memory_bytes=enforced)
     engine.install()
     try:
-        step = causal_lm_step(model, M * args.microbatch_size, model.config.vocab_size)
-        result = measure_max_seq_len(step, start=args.start, limit=args.limit, resolution=args.resolution)
-        measured_peak = None
-        if result.max_seq_len:
+        train_step = causal_lm_step(model, M * args.microbatch_size, model.config.vocab_size)
+        peaks: dict[int, int] = {}
+
+        def step(seq_len: int) -> None:
+            # the peak of each step that ran (not a re-run: a device's peak depends a little on when
+            # its copy threads land the next upload, so a re-run at the same length may differ)
             engine.pop_device_memory_peaks()
-            step(result.max_seq_len)
-            peaks = engine.pop_device_memory_peaks()
-            measured_peak = max(peaks) if peaks else None
+            train_step(seq_len)
+            measured = engine.pop_device_memory_peaks()
+            if measured:
+                peaks[seq_len] = max(measured)
+
+        result = measure_max_seq_len(step, start=args.start, limit=args.limit, resolution=args.resolution)
+        measured_peak = peaks.get(result.max_seq_len)
         stages = [("fused" if s.fused else s.kind, s.layers) for s in engine.fused_stages]
     finally:
         engine.close()

@@ -6,7 +6,10 @@ raises and what a CPU virtual device with ``device_memory_bytes`` raises
 (:class:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryError` subclasses it). The
 length doubles from ``start`` until a step fails (or ``limit`` is reached), then the interval
 between the last success and the first failure is bisected down to ``resolution`` tokens. Memory
-grows with the sequence, so the search is sound; any other exception propagates.
+grows with the sequence, so the search is sound; any other exception propagates. Each length is
+tried once: a device's peak depends slightly on thread timing (whether the next upload has landed
+while a stage computes), so lengths within a few percent of the limit may run in one trial and not
+in another.
 
 The planner's counterpart (the cost model's prediction for the same stages) is
 :func:`lightning_roundpipe.partition.seqlen.planned_max_seq_len`.
