@@ -177,6 +177,13 @@ class RoundPipeConfig:
     every copy lands this many seconds late and its destination holds NaN meanwhile, so a missing
     dependency shows up as a wrong result."""
 
+    device_memory_bytes: int | None = None
+    """``int > 0`` or ``None``, bytes; default ``None``: unlimited on CPU virtual devices, the GPU's memory on
+    CUDA. Memory of one device. CPU virtual devices enforce it: a step that would hold more on a device
+    (weights, saved activations, per-op outputs) raises ``DeviceMemoryError`` (a ``torch.OutOfMemoryError``)
+    naming the stage, the bytes asked and the budget. On GPUs it replaces the device's total memory in the
+    automatic partition's per-stage budget (half of it)."""
+
     optimizer: str = "sync"
     """``"sync"`` or ``"async"``; default ``"sync"``: Lightning's exact semantics, the optimizer step runs
     between two pipelines. ``"async"``: the paper's mode (section 4): the CPU optimizer step of step k
@@ -233,6 +240,9 @@ class RoundPipeConfig:
             raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {delay!r}."
                              " HINT: 0.05 makes a missing dependency show; 0 turns the delay off.")
         object.__setattr__(self, "debug_copy_delay_s", float(delay))
+        if self.device_memory_bytes is not None:
+            _check_positive("device_memory_bytes", self.device_memory_bytes, integer=True,
+                            hint="e.g. 64 * 2**20 for 64 MiB per device")
         if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZER_MODES:
             raise ValueError(
                 f"`optimizer` must be one of {list(OPTIMIZER_MODES)}, got {self.optimizer!r}. HINT: 'sync' (default)"

@@ -126,12 +126,17 @@ def test_lora_trains_tiny_adapters_and_skips_frozen_backward():
 
 def test_saved_activations_grow_with_sequence():
     shape = ModelShape.from_config(preset_config("qwen3-1.7b"))
-    a = CostModel().layer_costs(shape, seq_len=1024, microbatch_size=1)
-    b = CostModel().layer_costs(shape, seq_len=2048, microbatch_size=1)
+    unchunked = CostModel(loss_chunk_bytes=None)
+    a = unchunked.layer_costs(shape, seq_len=1024, microbatch_size=1)
+    b = unchunked.layer_costs(shape, seq_len=2048, microbatch_size=1)
     for x, y in zip(a, b):
         assert y.saved_activation_bytes == 2 * x.saved_activation_bytes
-    # the tail keeps the logits and their gradient: 4 bytes per logit by default
-    assert b[-1].saved_activation_bytes >= 2048 * 151936 * 4
+    # unchunked, the tail keeps the logits and their gradient: 8 + 2 bytes per bf16 logit by default
+    assert b[-1].saved_activation_bytes >= 2048 * 151936 * 10
+    # chunked (the default): one chunk of 256 MiB of bf16 logits = 883 tokens
+    c = CostModel().layer_costs(shape, seq_len=2048, microbatch_size=1)
+    assert c[:-1] == b[:-1]
+    assert c[-1].saved_activation_bytes - 883 * 151936 * 10 == b[-1].saved_activation_bytes - 2048 * 151936 * 10
 
 
 def test_load_config_json_file_folder_and_text_config(tmp_path):

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_roundpipe.adapters.base import LayerSequence
+from lightning_roundpipe.adapters import chunked_loss
+from lightning_roundpipe.adapters.base import LayerSequence, module_uses_rng
 
 #: ``config.model_type`` -> family notes. Every entry uses the standard layout
 #: ``<causal lm>.model.{embed_tokens, rotary_emb, layers, norm}`` and ``<causal lm>.lm_head``;
@@ -162,29 +163,76 @@ class HFDecoderLayer(nn.Module):
 class HFTail(nn.Module):
     """Final norm, LM head and (with labels) the loss normalised over the whole batch's label tokens.
 
-    ``logit_softcap`` (Gemma 2's ``final_logit_softcapping``): logits become
-    ``softcap * tanh(logits / softcap)`` right after the LM head; ``None``: unchanged.
+    With labels, inside :func:`~lightning_roundpipe.adapters.chunked_loss.loss_only` (the fused tail of
+    the RoundPipe executor), the logits are computed, reduced and back-propagated ``loss_chunk_tokens``
+    tokens at a time and not returned (:func:`~lightning_roundpipe.adapters.chunked_loss.chunked_causal_lm_loss`);
+    otherwise the full ``(batch, seq, vocab)`` logits are returned and the model's own loss function
+    reads them.
+
+    Args:
+        norm: the final norm.
+        lm_head: the LM head (may be tied to the embedding, may be PEFT-wrapped).
+        loss_function: the model's ``loss_function`` (``ForCausalLMLoss`` for the supported families).
+        vocab_size: logits per token.
+        logit_softcap: Gemma 2 style soft-capping right after the LM head,
+            ``logits = logit_softcap * tanh(logits / logit_softcap)``; ``None``: none.
+        logits_scale: the logits are divided by it after the LM head (Granite's ``logits_scaling``); 1.0: none.
+        loss_chunk_tokens: tokens per chunk of the chunked loss; ``None``: the most tokens whose
+            logits take at most 256 MiB in the compute dtype; 0: never chunk (full logits always).
+
+    Raises:
+        ValueError: for a non-positive ``logit_softcap`` or ``logits_scale``, or a negative ``loss_chunk_tokens``.
     """
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, loss_function: Any, vocab_size: int,
-                 logit_softcap: float | None = None) -> None:
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, loss_function: Any, vocab_size: int, *,
+                 logit_softcap: float | None = None, logits_scale: float = 1.0,
+                 loss_chunk_tokens: int | None = None) -> None:
         super().__init__()
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"`logit_softcap` must be > 0 or None, got {logit_softcap!r}.")
+        if not logits_scale > 0:
+            raise ValueError(f"`logits_scale` must be > 0, got {logits_scale!r}.")
+        if loss_chunk_tokens is not None and (not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 0):
+            raise ValueError(f"`loss_chunk_tokens` must be an int >= 0 or None, got {loss_chunk_tokens!r}."
+                             " HINT: 0 turns chunking off, None picks 256 MiB of logits per chunk.")
         self.norm = norm
         self.lm_head = lm_head
         self._loss_function = loss_function
         self.vocab_size = vocab_size
         self.logit_softcap = logit_softcap
+        self.logits_scale = float(logits_scale)
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head, then the logits scaling and soft-capping of the family: ``(..., hidden) -> (..., vocab)``."""
+        logits = self.lm_head(hidden)
+        if self.logits_scale != 1.0:
+            logits = logits / self.logits_scale
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
+
+    def chunk_tokens(self, hidden: torch.Tensor) -> int:
+        """Tokens per chunk for ``hidden`` (0: chunking off)."""
+        if self.loss_chunk_tokens is not None:
+            return self.loss_chunk_tokens
+        return chunked_loss.default_chunk_tokens(self.vocab_size, chunked_loss.logits_itemsize(hidden, self.lm_head))
 
     def forward(self, carry: dict) -> dict:
-        logits = self.lm_head(self.norm(carry["hidden_states"]))
-        if self.logit_softcap is not None:
-            logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
-        out = {"logits": logits}
+        hidden = self.norm(carry["hidden_states"])
         labels = carry.get("labels")
+        num_items = carry.get("num_items_in_batch")
+        if labels is not None and chunked_loss.LOSS_ONLY.get():
+            chunk = self.chunk_tokens(hidden)
+            if chunk > 0:
+                loss = chunked_loss.chunked_causal_lm_loss(hidden, self.logits, labels, num_items, chunk_tokens=chunk,
+                                                           recompute=not module_uses_rng(self.lm_head))
+                return {"loss": loss}
+        logits = self.logits(hidden)
+        out = {"logits": logits}
         if labels is not None:
-            out["loss"] = self._loss_function(
-                logits=logits, labels=labels, vocab_size=self.vocab_size, num_items_in_batch=carry["num_items_in_batch"]
-            )
+            out["loss"] = self._loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                                              num_items_in_batch=num_items)
         return out
 
 

@@ -1,4 +1,4 @@
-"""The `roundpipe` command: `roundpipe plan`, `roundpipe simulate`, `roundpipe train` (Hydra)."""
+"""The `roundpipe` command: `roundpipe plan`, `roundpipe simulate`, `roundpipe max-seq`, `roundpipe train` (Hydra)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
         train_main()
         return 0
     parser = argparse.ArgumentParser(prog="roundpipe", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,simulate,train}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,simulate,max-seq,train}")
     sub.add_parser("train", help="fine-tune with the Hydra config in conf/ (takes Hydra overrides)")
     try:
         from lightning_roundpipe.cli import plan_cmd
@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from lightning_roundpipe.cli import simulate_cmd
         simulate_cmd.add_parser(sub)
+    except ImportError:
+        pass
+    try:
+        from lightning_roundpipe.cli import max_seq_cmd
+        max_seq_cmd.add_parser(sub)
     except ImportError:
         pass
     args = parser.parse_args(argv)

@@ -80,14 +80,15 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     Args:
         num_microbatches, module, partition, profile_steps, fused_loss, forward_stages,
             backward_stages, chunk_bytes, microbatches_per_round, cpu_link_bytes_per_s,
-            debug_copy_delay_s, optimizer, trace_every_n_steps, peak_flops, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
+            debug_copy_delay_s, device_memory_bytes, optimizer, trace_every_n_steps, peak_flops, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
             (type, unit, default and meaning are documented there), gathered into :attr:`config`. In
             short: ``num_microbatches`` (default devices + 1), ``module`` (the attribute to pipeline),
             ``partition`` (``"auto"``: re-cut from ``profile_steps`` profiled steps), ``fused_loss``
             (a training call with ``labels`` runs the whole step inside the forward and returns the
             loss only), explicit ``forward_stages``/``backward_stages``, ``chunk_bytes`` (weight
             upload chunk), ``microbatches_per_round``, ``cpu_link_bytes_per_s`` and
-            ``debug_copy_delay_s`` (CPU virtual devices), ``optimizer`` (``"sync"`` or ``"async"``,
+            ``debug_copy_delay_s`` (CPU virtual devices), ``device_memory_bytes`` (one device's memory,
+            enforced on CPU virtual devices), ``optimizer`` (``"sync"`` or ``"async"``,
             see *Asynchronous optimizer* below), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
             timeline PNG every N batches into ``<trainer.log_dir>/roundpipe/`` and W&B; 0: off),
             ``peak_flops`` (device peak FLOP/s for ``roundpipe/mfu(%)``; looked up by GPU name),
@@ -160,6 +161,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         microbatches_per_round: int | None = None,
         cpu_link_bytes_per_s: float | None = None,
         debug_copy_delay_s: float = 0.0,
+        device_memory_bytes: int | None = None,
         optimizer: str = "sync",
         trace_every_n_steps: int | None = DEFAULT_TRACE_EVERY_N_STEPS,
         peak_flops: float | None = None,
@@ -175,7 +177,8 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
                  "profile_steps": profile_steps, "fused_loss": fused_loss, "forward_stages": forward_stages,
                  "backward_stages": backward_stages, "chunk_bytes": chunk_bytes,
                  "microbatches_per_round": microbatches_per_round, "cpu_link_bytes_per_s": cpu_link_bytes_per_s,
-                 "debug_copy_delay_s": debug_copy_delay_s, "optimizer": optimizer,
+                 "debug_copy_delay_s": debug_copy_delay_s,
+                 "device_memory_bytes": device_memory_bytes, "optimizer": optimizer,
                  "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops,
                  "data_parallel": DataParallel() if data_parallel is None else data_parallel}
         self.config = _make_config(config, given)
@@ -204,6 +207,8 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     cpu_link_bytes_per_s = property(lambda self: self.config.cpu_link_bytes_per_s,
                                     doc="`RoundPipeConfig.cpu_link_bytes_per_s`.")
     debug_copy_delay_s = property(lambda self: self.config.debug_copy_delay_s, doc="`RoundPipeConfig.debug_copy_delay_s`.")
+    device_memory_bytes = property(lambda self: self.config.device_memory_bytes,
+                                   doc="`RoundPipeConfig.device_memory_bytes`.")
     optimizer_mode = property(lambda self: self.config.optimizer, doc="`RoundPipeConfig.optimizer`.")
     trace_every_n_steps = property(lambda self: self.config.trace_every_n_steps or 0,
                                    doc="`RoundPipeConfig.trace_every_n_steps` (0: off).")
@@ -247,7 +252,9 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         precision = self.precision_plugin
         devices = [torch.device(d) for d in (self.parallel_devices or [torch.device("cpu")])]
         stage_memory = None
-        if devices[0].type == "cuda":
+        if self.device_memory_bytes is not None:
+            stage_memory = self.device_memory_bytes // 2  # double buffering: the next stage is prefetched
+        elif devices[0].type == "cuda":
             stage_memory = torch.cuda.get_device_properties(devices[0]).total_memory // 2  # double buffering
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.engine = RoundPipeEngine.from_config(seq, devices, self.config, fitting=fitting,

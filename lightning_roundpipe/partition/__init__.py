@@ -25,6 +25,7 @@ from lightning_roundpipe.partition.partitioner import (
 )
 from lightning_roundpipe.partition.presets import preset_config, preset_hf_config, preset_names
 from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile
+from lightning_roundpipe.partition.seqlen import peak_device_memory_bytes, planned_max_seq_len
 from lightning_roundpipe.partition.types import PartitionPlan
 
 __all__ = [
@@ -32,5 +33,5 @@ __all__ = [
     "METHODS", "StageSummary", "auto_partition", "describe_stages", "min_stage_memory_bytes", "plan_objective_s", "schedule_ranges",
     "stage_cost_s", "stage_memory",
     "CostModel", "LayerCost", "LoRASpec", "ModelledProfiles", "ModelShape", "meta_param_counts", "model_profiles",
-    "preset_config", "preset_hf_config", "preset_names",
+    "preset_config", "preset_hf_config", "preset_names", "peak_device_memory_bytes", "planned_max_seq_len",
 ]

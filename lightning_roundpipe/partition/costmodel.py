@@ -218,7 +218,7 @@ class LayerCost:
     """Bytes of the layer's input for one microbatch (what crosses a stage boundary)."""
     saved_activation_bytes: int
     """Bytes autograd keeps inside the layer for one microbatch while a backward stage recomputes and
-    back-propagates it (for the tail: also the logits and their gradient)."""
+    back-propagates it (for the tail: also one chunk of logits and their gradient, see ``CostModel.loss_chunk_bytes``)."""
 
     @property
     def forward_flops(self) -> float:
@@ -252,9 +252,18 @@ class CostModel:
     elementwise_traffic_factor: float = 3.0
     """Multiplier on the counted element-wise traffic: eager PyTorch makes several passes per op
     (fp32 upcasts in RMSNorm, separate kernels for rotary and SwiGLU)."""
-    loss_bytes_per_logit: int = 4
-    """Device bytes the fused tail holds per logit (compute-dtype logits and their gradient; a
-    compiled cross-entropy keeps no fp32 copy; eager Hugging Face loss holds about 14)."""
+    loss_bytes_per_logit: int | None = None
+    """Device bytes the fused tail holds per logit of a chunk at its peak. ``None`` (default): the
+    runtime's chunked loss (:class:`lightning_roundpipe.adapters.chunked_loss.ChunkCrossEntropy`):
+    the fp32 logits it saves and their fp32 gradient, 8 bytes, plus the compute-dtype logits'
+    gradient when the compute dtype is narrower (``8 + dtype bytes``). A compiled cross-entropy
+    that keeps no fp32 copy holds about 4; the eager Hugging Face loss about 16."""
+    loss_chunk_bytes: int | None = 256 * 2**20
+    """The fused tail computes the logits and the loss chunk by chunk over tokens, at most this many bytes
+    of compute-dtype logits per chunk (the runtime's chunked loss,
+    :mod:`lightning_roundpipe.adapters.chunked_loss`): the tail holds ``min(tokens, chunk tokens) * vocab
+    * bytes_per_logit`` bytes for the loss, chunk tokens ``= loss_chunk_bytes // (vocab * dtype bytes)``.
+    ``None``: unchunked (the whole microbatch's logits)."""
     causal_attention: bool = True
     """Count half of the ``s x s`` attention square (causal mask, skipped blocks)."""
 
@@ -263,8 +272,26 @@ class CostModel:
             v = getattr(self, name)
             if not 0 < v <= 1:
                 raise ValueError(f"`CostModel.{name}` must be in (0, 1], got {v!r}.")
+        if self.loss_bytes_per_logit is not None and (not isinstance(self.loss_bytes_per_logit, int)
+                                                      or self.loss_bytes_per_logit < 1):
+            raise ValueError(f"`CostModel.loss_bytes_per_logit` must be a positive int or None, got {self.loss_bytes_per_logit!r}.")
+        if self.loss_chunk_bytes is not None and (not isinstance(self.loss_chunk_bytes, int) or self.loss_chunk_bytes < 1):
+            raise ValueError(f"`CostModel.loss_chunk_bytes` must be a positive int or None, got {self.loss_chunk_bytes!r}.")
         if self.device_memory_bytes_per_s <= 0 or self.elementwise_traffic_factor < 0:
             raise ValueError("`CostModel.device_memory_bytes_per_s` must be > 0 and `elementwise_traffic_factor` >= 0.")
+
+    def bytes_per_logit(self, compute_dtype_bytes: int) -> int:
+        """Bytes per logit of the tail's loss chunk (``loss_bytes_per_logit``, or the runtime's figure)."""
+        if self.loss_bytes_per_logit is not None:
+            return self.loss_bytes_per_logit
+        return 8 + (compute_dtype_bytes if compute_dtype_bytes < 4 else 0)
+
+    def loss_chunk_tokens(self, vocab_size: int, compute_dtype_bytes: int) -> int:
+        """Tokens per chunk of the chunked loss: ``loss_chunk_bytes // (vocab_size * compute_dtype_bytes)``
+        (at least 1; the whole microbatch when ``loss_chunk_bytes`` is ``None``: returns 0 then)."""
+        if self.loss_chunk_bytes is None:
+            return 0
+        return max(1, self.loss_chunk_bytes // (vocab_size * compute_dtype_bytes))
 
     # ------------------------------------------------------------------ FLOPs and bytes
     def layer_costs(
@@ -328,7 +355,7 @@ class CostModel:
                 mlp_params = 3 * h * I
                 dense_active, expert_active = attn_params + mlp_params, 0
                 mlp_elems_per_tok = 3 * I
-                mlp_saved_per_tok = 4 * I * B
+                mlp_saved_per_tok = (4 + 3) * I * B  # saved: gate, up, act(gate), product; backward working set: 3 gradients of width I
             adapters = 0
             if lora is not None:
                 adapters = sum(lora.rank * (fi + fo) for name, (fi, fo) in targets.items() if name in lora.target_modules)
@@ -349,13 +376,14 @@ class CostModel:
                 saved_activation_bytes=int(saved),
             ))
 
-        # -- tail: final norm, LM head, loss (fused kernel over the logits)
+        # -- tail: final norm, LM head, loss (fused kernel over the logits, chunk by chunk over tokens)
         head = V * h
+        loss_tokens = T if self.loss_chunk_bytes is None else min(T, self.loss_chunk_tokens(V, B))
         out.append(LayerCost(
             name="tail", kind="tail", param_count=head + h, trainable_param_count=0 if frozen else head + h,
             forward_gemm_flops=2.0 * T * head, backward_gemm_flops=grad_mult * 2.0 * T * head,
             forward_elementwise_bytes=float(4 * T * h * B), forward_fused_bytes=float(T * V * 2 * B),
-            activation_bytes=T * h * B, saved_activation_bytes=2 * T * h * B + T * V * self.loss_bytes_per_logit,
+            activation_bytes=T * h * B, saved_activation_bytes=2 * T * h * B + loss_tokens * V * self.bytes_per_logit(B),
         ))
         return out
 

@@ -23,11 +23,14 @@ Memory of a stage for one microbatch (bytes), with ``out(i)`` = the input of lay
 (0 after the last layer):
 
 - forward stage: ``sum(param_bytes) + max_i(activation_bytes[i] + out(i))`` (no autograd state);
-- backward stage and fused tail: ``sum(param_bytes) + sum(grad_bytes) + sum(saved[i])
-  + max_i(activation_bytes[i] + out(i))``, where ``saved[i]`` is what autograd keeps inside layer
+- backward stage and fused tail: ``sum(param_bytes) + sum(grad_bytes) + max(sum(saved[i])
+  + max_i(activation_bytes[i] + out(i)), max_i(grad_bytes[i]))``, where ``saved[i]`` is what autograd keeps inside layer
   ``i`` during the recompute (``saved_activation_bytes``; defaults to ``activation_bytes[i]``, a lower
-  bound; the cost model gives the full figure) and the gradients accumulate on the device until the
-  stage's weights are dropped.
+  bound; the cost model gives the full figure), the gradients accumulate on the device until the
+  stage's weights are dropped; ``max_i(grad_bytes[i])`` is the fresh gradient of one layer that autograd
+  holds before adding it into the accumulated one (the second microbatch on), measured on CPU
+  virtual devices to come after the layer's activations are freed (an embedding's or LM head's
+  weight gradient), hence the ``max``.
 
 Both are monotone: a stage that grows never needs less, so greedy packing is count-optimal.
 
@@ -110,13 +113,14 @@ class _Tables:
         act = [int(p.activation_bytes) for p in profiles]
         self.io = [act[i] + (act[i + 1] if i + 1 < L else 0) for i in range(L)]
         self.Pparam = _cumsum_int(self.param)
-        self.Pbwd = _cumsum_int([self.param[i] + self.grad[i] + self.saved[i] for i in range(L)])
+        self.Pweights = _cumsum_int([self.param[i] + self.grad[i] for i in range(L)])
+        self.Psaved = _cumsum_int(self.saved)
 
     def mem(self, s: int, t: int, backward: bool) -> int:
         """Memory of a stage over ``[s, t)``, bytes."""
         io = max(self.io[s:t])
-        if backward:
-            return self.Pbwd[t] - self.Pbwd[s] + io
+        if backward:  # activations, or one layer's fresh gradient before autograd adds it into the accumulated one
+            return self.Pweights[t] - self.Pweights[s] + max(self.Psaved[t] - self.Psaved[s] + io, max(self.grad[s:t]))
         return self.Pparam[t] - self.Pparam[s] + io
 
     def cost(self, s: int, t: int, backward: bool) -> float:
@@ -255,8 +259,9 @@ def _check_single_layers(tab: _Tables, profiles: Sequence[LayerProfile], budget:
             gib = 2**30
             raise ValueError(
                 f"Layer {i} (`{profiles[i].name or i}`) alone needs {need / gib:.2f} GiB in a backward stage"
-                f" (weights {tab.param[i] / gib:.2f} GiB + gradients {tab.grad[i] / gib:.2f} GiB + saved activations"
-                f" {tab.saved[i] / gib:.2f} GiB + input/output {tab.io[i] / gib:.2f} GiB), over the per-stage memory"
+                f" (weights {tab.param[i] / gib:.2f} GiB + gradients {tab.grad[i] / gib:.2f} GiB + the larger of saved"
+                f" activations {tab.saved[i] / gib:.2f} GiB + input/output {tab.io[i] / gib:.2f} GiB and one fresh"
+                f" gradient {tab.grad[i] / gib:.2f} GiB), over the per-stage memory"
                 f" budget `stage_memory_bytes` = {budget / gib:.2f} GiB (half the device memory: the next stage is"
                 " prefetched). HINT: lower the microbatch size or the sequence length, train LoRA adapters only,"
                 " or use devices with more memory."

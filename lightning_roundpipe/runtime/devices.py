@@ -48,9 +48,11 @@ class StreamThread:
             if job is None:
                 return
             fn, done = job
+            job = None
             try:
                 fn()
             finally:
+                fn = None  # the job's closure (a program run, a failed run's traceback) must not outlive it
                 done.set()
 
     def submit(self, fn: Callable[[], None]) -> threading.Event:

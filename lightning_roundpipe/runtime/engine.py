@@ -91,6 +91,9 @@ class RoundPipeEngine:
             (``None``: unthrottled copies).
         debug_copy_delay_s: CPU virtual devices, debugging: every copy lands this many seconds late
             (its destination holds NaN meanwhile), so a missing dependency gives a wrong result.
+        device_memory_bytes: memory budget of each device, bytes: enforced on CPU virtual devices
+            (:class:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryError`); the automatic
+            partition's per-stage budget defaults to half of it. ``None``: unlimited on CPU virtual devices.
         profile_steps: profile every layer during this many training steps (>= 2, the first is
             dropped) to predict step times with the simulator (:meth:`predict_s`), also without
             the automatic partition; ``None``: only when ``auto_partition_after_steps`` is set.
@@ -110,7 +113,8 @@ class RoundPipeEngine:
                  stage_memory_bytes: int | None = None, fused_loss: bool = True,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, microbatches_per_round: int | None = None,
                  cpu_link_bytes_per_s: float | None = None, debug_copy_delay_s: float = 0.0,
-                 profile_steps: int | None = None, loss_seed: Callable[[], float] | None = None) -> None:
+                 profile_steps: int | None = None, loss_seed: Callable[[], float] | None = None,
+                 device_memory_bytes: int | None = None) -> None:
         if not devices:
             raise ValueError("`devices` is empty: RoundPipe needs at least one device.")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -125,7 +129,10 @@ class RoundPipeEngine:
         self.chunk_bytes = chunk_bytes
         self.microbatches_per_round = microbatches_per_round
         self.cpu_link_bytes_per_s = cpu_link_bytes_per_s
-        self.backends = make_backends(self.devices, cpu_link_bytes_per_s, debug_copy_delay_s)
+        self.backends = make_backends(self.devices, cpu_link_bytes_per_s, debug_copy_delay_s, device_memory_bytes)
+        self.device_memory_bytes = device_memory_bytes
+        if stage_memory_bytes is None and device_memory_bytes is not None:
+            stage_memory_bytes = device_memory_bytes // 2  # double buffering: the next stage is prefetched
         self.store = WeightStore(seq.layers, compute_dtype, pin_memory=self.devices[0].type == "cuda")
         self.executor = Executor(seq, self.backends, self.store, autocast_dtype)
         self.cursor = 0
@@ -195,7 +202,16 @@ class RoundPipeEngine:
                    stage_memory_bytes=stage_memory_bytes, fused_loss=config.fused_loss,
                    chunk_bytes=config.chunk_bytes, microbatches_per_round=config.microbatches_per_round,
                    cpu_link_bytes_per_s=config.cpu_link_bytes_per_s, debug_copy_delay_s=config.debug_copy_delay_s,
+                   device_memory_bytes=config.device_memory_bytes,
                    profile_steps=config.profile_steps if fitting else None, loss_seed=loss_seed)
+
+    def pop_device_memory_peaks(self) -> list[int] | None:
+        """Per CPU virtual device, the most bytes live at once (weights, activations, op outputs)
+        since the last call; ``None`` without ``device_memory_bytes`` or on GPUs."""
+        ledgers = [getattr(b, "memory", None) for b in self.backends]
+        if any(ledger is None for ledger in ledgers):
+            return None
+        return [ledger.pop_peak() for ledger in ledgers]
 
     # ------------------------------------------------------------------ install / close
     def install(self) -> None:

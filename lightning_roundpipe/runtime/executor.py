@@ -38,6 +38,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.adapters.base import LayerSequence
+from lightning_roundpipe.adapters.chunked_loss import loss_only
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
 from lightning_roundpipe.runtime.carry import diff_leaves, grad_leaves, grad_positions, snapshot
@@ -255,9 +256,17 @@ class Executor:
             raise
         self.peak_grad_bytes = max(self.peak_grad_bytes, run.peak_grad_bytes)
         if run.error is not None:
-            error = run.error
+            run.resident.clear()
+            run.slots.clear()
+            for replicas in self.replicas:  # stages the failed program never dropped: free their device buffers
+                for replica in replicas:
+                    replica.unbind_all()
+            error, run.error = run.error, None  # no cycle run -> error -> traceback -> run: freed without gc
             error.add_note(run.error_context)
-            raise error
+            try:
+                raise error
+            finally:
+                del error
         for backend in self.backends:
             backend.synchronize()
         wall = time.perf_counter() - run.t0
@@ -284,7 +293,8 @@ class Executor:
                         if event is not None:
                             backend.wait_event(stream, event)
                     start = backend.timer_start(stream)
-                    nbytes = self._dispatch[op.kind](backend, op, run)
+                    with backend.op_scope(stream, f"stage {op.stage_index}, {op}"):
+                        nbytes = self._dispatch[op.kind](backend, op, run)
                     run.events[op] = backend.record(stream)
                     if op.kind is not OpKind.DROP:
                         run.spans.append((backend.device_index, op, backend.timer_span(stream, start), nbytes or 0))
@@ -456,6 +466,9 @@ class Executor:
         if (spec.kind == "forward" or spec.fused) and resident.buffer_pairs and any(
                 self.seq.layers[li].training for li in spec.layers):
             self.store.write_back_buffers(resident)
+        replicas = self.replicas[backend.device_index]
+        for li in spec.layers:  # the replicas must not keep the dropped buffer alive
+            replicas[li].unbind(resident.layer_tensors(li))
         with run._lock:
             run.resident_bytes[backend.device_index] -= resident.nbytes
         return 0
@@ -482,7 +495,7 @@ class Executor:
         m = op.microbatch_index
         carry, leaves = self._leaves(run.slots.pop(("in", op.stage_index, m)), spec.layers.start, run)
         with torch.enable_grad():
-            with self._autocast(backend):
+            with self._autocast(backend), loss_only():  # nobody reads the fused tail's logits: chunked loss
                 out, layer_s = self._call_layers(backend, run, self._stage_key(run, op), spec.layers, carry, m,
                                                  profile_kind="forward")
             loss = out[self.seq.loss_key]

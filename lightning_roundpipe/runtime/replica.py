@@ -11,6 +11,8 @@ devices (the fused plan), which ``torch.func.functional_call`` on the shared mod
 
 from __future__ import annotations
 
+import threading
+
 from torch import nn
 
 
@@ -24,13 +26,16 @@ class LayerReplica:
     def __init__(self, layer: nn.Module) -> None:
         self.pairs: list[tuple[nn.Module, nn.Module]] = []
         self.module = self._copy(layer, {})
-        self._slots: dict[str, tuple[nn.Module, str, bool]] = {}
+        # bind (compute thread) and unbind (the DROP on the d2h thread) of one device's replica: an
+        # unbind must never undo a bind of another stage made between its check and its write
+        self._lock = threading.Lock()
+        self._slots: dict[str, tuple[nn.Module, str, bool, nn.Module]] = {}
         for prefix, original in layer.named_modules(remove_duplicate=False):
             copy = self._find(prefix)
             for name in original._parameters:
-                self._slots[f"{prefix}.{name}" if prefix else name] = (copy, name, True)
+                self._slots[f"{prefix}.{name}" if prefix else name] = (copy, name, True, original)
             for name in original._buffers:
-                self._slots[f"{prefix}.{name}" if prefix else name] = (copy, name, False)
+                self._slots[f"{prefix}.{name}" if prefix else name] = (copy, name, False, original)
 
     def _copy(self, module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
         if id(module) in memo:
@@ -55,7 +60,27 @@ class LayerReplica:
         and copy the training flags; returns the replica module to call."""
         for original, copy in self.pairs:
             copy.training = original.training
-        for name, tensor in tensors.items():
-            module, leaf, is_param = self._slots[name]
-            (module._parameters if is_param else module._buffers)[leaf] = tensor
+        with self._lock:
+            for name, tensor in tensors.items():
+                module, leaf, is_param, _ = self._slots[name]
+                (module._parameters if is_param else module._buffers)[leaf] = tensor
         return self.module
+
+    def unbind(self, tensors: dict[str, "object"]) -> None:
+        """Point the slots still bound to ``tensors`` back at the original module's parameters and
+        buffers (host memory), so a dropped stage's device buffer is freed at its ``DROP``: a replica
+        must not keep it alive until the layer's next stage on this device."""
+        with self._lock:
+            for name, tensor in tensors.items():
+                module, leaf, is_param, original = self._slots[name]
+                table = module._parameters if is_param else module._buffers
+                if table.get(leaf) is tensor:
+                    table[leaf] = (original._parameters if is_param else original._buffers)[leaf]
+
+    def unbind_all(self) -> None:
+        """Point every slot back at the original module's tensors (after a failed program, whose
+        stages were never dropped)."""
+        with self._lock:
+            for module, leaf, is_param, original in self._slots.values():
+                (module._parameters if is_param else module._buffers)[leaf] = \
+                    (original._parameters if is_param else original._buffers)[leaf]

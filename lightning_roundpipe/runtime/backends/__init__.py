@@ -7,13 +7,14 @@ from typing import Sequence
 import torch
 
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
+from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError, DeviceMemoryLedger
 from lightning_roundpipe.runtime.backends.cpu import CpuBackend, Link
 
-__all__ = ["Backend", "CpuBackend", "Link", "make_backends", "tree_nbytes"]
+__all__ = ["Backend", "CpuBackend", "DeviceMemoryError", "DeviceMemoryLedger", "Link", "make_backends", "tree_nbytes"]
 
 
 def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float | None = None,
-                  debug_copy_delay_s: float = 0.0) -> list[Backend]:
+                  debug_copy_delay_s: float = 0.0, device_memory_bytes: int | None = None) -> list[Backend]:
     """One backend per device: :class:`CpuBackend` for ``cpu`` entries, ``CudaBackend`` for ``cuda:i``.
 
     Args:
@@ -21,6 +22,9 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
         cpu_link_bytes_per_s: CPU virtual devices: modelled host link rate per direction, bytes/s
             (``None``: unthrottled).
         debug_copy_delay_s: CPU virtual devices: every copy lands this many seconds late (debugging).
+        device_memory_bytes: CPU virtual devices: each device's memory budget, enforced as
+            :class:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryError` (``None``: unlimited);
+            GPUs have their real memory (a CUDA out-of-memory error is the same exception's base class).
 
     Raises:
         ValueError: mixed device types, a bad link rate or delay, or an accelerator other than CPU
@@ -36,9 +40,13 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
                          " HINT: 25e9 models PCIe 4.0 x16 one way.")
     if not (isinstance(debug_copy_delay_s, (int, float)) and 0 <= debug_copy_delay_s < float("inf")):
         raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {debug_copy_delay_s!r}.")
+    if device_memory_bytes is not None and (not isinstance(device_memory_bytes, int) or isinstance(device_memory_bytes, bool)
+                                            or device_memory_bytes < 1):
+        raise ValueError(f"`device_memory_bytes` must be a positive int (bytes) or None, got {device_memory_bytes!r}."
+                         " HINT: e.g. `device_memory_bytes=64 * 2**20` for 64 MiB per CPU virtual device.")
     kind = devices[0].type if devices else "cpu"
     if kind == "cpu":
-        return [CpuBackend(i, cpu_link_bytes_per_s, debug_copy_delay_s) for i in range(len(devices))]
+        return [CpuBackend(i, cpu_link_bytes_per_s, debug_copy_delay_s, device_memory_bytes) for i in range(len(devices))]
     if kind == "cuda":
         from lightning_roundpipe.runtime.backends.cuda import CudaBackend
 

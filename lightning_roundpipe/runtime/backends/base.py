@@ -90,6 +90,11 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:
         """Block until every op issued on this device has completed."""
 
+    def op_scope(self, stream: str, label: str):
+        """Context manager around one op of ``stream`` (``label``: its stage and op, for messages);
+        CPU virtual devices with a memory budget count the op's allocations there."""
+        return contextlib.nullcontext()
+
     # ------------------------------------------------------------------ timing
     def begin(self) -> None:
         """Called once at the start of every program (CUDA: the timeline's reference event)."""

@@ -12,6 +12,11 @@ activation upload goes first (paper section 3.3). With ``link_bytes_per_s`` set,
 at least ``bytes / link_bytes_per_s`` seconds (the modelled PCIe regime); ``None``: as fast as the
 copy runs.
 
+Memory budget: with ``device_memory_bytes`` set, the device counts the bytes that live on it (weights,
+uploaded activations, everything its compute creates) and raises
+:class:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryError` before the budget would be
+exceeded (:mod:`~lightning_roundpipe.runtime.backends.budget`).
+
 Debug: with ``copy_delay_s`` > 0 every copy publishes its destination filled with NaN (floats) or
 ``-1`` (integers) first, sleeps, and only then copies, so a consumer that does not wait for the
 copy (a missing edge) computes on poison and gives a wrong result.
@@ -28,6 +33,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.runtime.backends.base import Backend, Publish, tree_nbytes
+from lightning_roundpipe.runtime.backends.budget import DeviceMemoryLedger
 
 _ACTIVATION, _WEIGHTS = 0, 1
 
@@ -79,14 +85,26 @@ class CpuBackend(Backend):
         device_index: position in the device list.
         link_bytes_per_s: modelled host link rate per direction, bytes/s (``None``: unthrottled).
         copy_delay_s: debug: delay before each copy's data lands, seconds (0: off).
+        device_memory_bytes: the device's memory budget, bytes (``None``: unlimited).
+
+    Attributes:
+        memory: the :class:`DeviceMemoryLedger` of the budget (``None`` without one).
     """
 
-    def __init__(self, device_index: int, link_bytes_per_s: float | None = None, copy_delay_s: float = 0.0) -> None:
+    def __init__(self, device_index: int, link_bytes_per_s: float | None = None, copy_delay_s: float = 0.0,
+                 device_memory_bytes: int | None = None) -> None:
         super().__init__(device_index, torch.device("cpu"))
         self.h2d_link = Link(link_bytes_per_s)
         self.d2h_link = Link(link_bytes_per_s)
         self.copy_delay_s = float(copy_delay_s)
+        self.memory = None if device_memory_bytes is None else DeviceMemoryLedger(device_index, device_memory_bytes)
         self._start_threads()
+
+    def op_scope(self, stream: str, label: str):
+        if self.memory is None:
+            return contextlib.nullcontext()
+        self.memory.set_where(label)
+        return self.memory.counting() if stream == "compute" else contextlib.nullcontext()
 
     def _thread_setup(self, stream: str) -> None:
         torch.set_num_threads(1)
@@ -100,8 +118,15 @@ class CpuBackend(Backend):
         return lambda: (start, end)
 
     # ------------------------------------------------------------------ data
-    def _copy_tree(self, tree: Any, publish: Publish, link: Link, priority: int) -> int:
+    def _copy_tree(self, tree: Any, publish: Publish, link: Link, priority: int, to_device: bool = False) -> int:
         nbytes = tree_nbytes(tree)
+        if to_device and self.memory is not None:
+            self.memory.check(nbytes)  # before the copy allocates
+            inner = publish
+
+            def publish(out: Any) -> None:
+                self.memory.track_tree(out)
+                inner(out)
         with link.transfer(nbytes, priority):
             if self.copy_delay_s:
                 pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -122,13 +147,17 @@ class CpuBackend(Backend):
         return nbytes
 
     def to_device(self, tree: Any, publish: Publish) -> int:
-        return self._copy_tree(tree, publish, self.h2d_link, _ACTIVATION)
+        return self._copy_tree(tree, publish, self.h2d_link, _ACTIVATION, to_device=True)
 
     def to_host(self, tree: Any, publish: Publish) -> int:
         return self._copy_tree(tree, publish, self.d2h_link, _ACTIVATION)
 
     def empty_bytes(self, nbytes: int) -> torch.Tensor:
+        if self.memory is not None:
+            self.memory.check(nbytes)  # before the stage's weight buffer is allocated
         buf = torch.empty(nbytes, dtype=torch.uint8)
+        if self.memory is not None:
+            self.memory.track(buf)
         if self.copy_delay_s:
             buf.fill_(255)  # NaN in every float format
         return buf

@@ -1,0 +1,72 @@
+"""The planner's longest sequence for a given set of stages and a device memory (issue 10, item 5).
+
+Memory of a device while it runs stage ``k`` (round robin: stage ``k`` runs on device ``k mod D``, and
+the device prefetches the weights of its next stage, ``k + D``, while ``k`` computes):
+
+    peak(k) = stage_memory(k) + param_bytes(stage k + D)
+
+with :func:`~lightning_roundpipe.partition.partitioner.stage_memory` (weights, gradients, saved
+activations, stage input and output of one microbatch) for backward stages and the fused tail, and
+weights plus the largest layer input and output for forward stages. The longest sequence is the
+largest ``seq_len`` for which ``max_k peak(k) <= device_memory_bytes``: memory grows with the
+sequence, so a doubling search and a bisection find it (the same search as ``roundpipe plan``'s).
+
+Pure: no torch, no device; the runtime's measured counterpart is
+:func:`lightning_roundpipe.runtime.max_seq.measure_max_seq_len`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from lightning_roundpipe.partition.costmodel import ModelledProfiles
+from lightning_roundpipe.partition.partitioner import stage_memory
+
+#: ``(kind, layers)`` of each stage in round-robin order; kind ``forward``, ``fused`` or ``backward``.
+Stages = Sequence[tuple[str, range]]
+
+
+def peak_device_memory_bytes(mp: ModelledProfiles, stages: Stages, num_devices: int) -> int:
+    """The modelled peak bytes on any device for one step of ``stages`` (see the module docstring).
+
+    Raises:
+        ValueError: for ``num_devices < 1`` or an unknown stage kind.
+    """
+    if num_devices < 1:
+        raise ValueError(f"`num_devices` must be >= 1, got {num_devices}.")
+    mems, params = [], []
+    for kind, layers in stages:
+        if kind not in ("forward", "fused", "backward"):
+            raise ValueError(f"Stage kind must be 'forward', 'fused' or 'backward', got {kind!r}.")
+        mems.append(stage_memory(mp.profiles, layers, kind, mp.saved_activation_bytes))
+        params.append(sum(mp.profiles[i].param_bytes for i in layers))
+    return max(m + (params[k + num_devices] if k + num_devices < len(stages) else 0) for k, m in enumerate(mems))
+
+
+def planned_max_seq_len(modelled: Callable[[int], ModelledProfiles], stages: Stages, num_devices: int,
+                        device_memory_bytes: int, *, limit: int = 1 << 20) -> int:
+    """Longest sequence (tokens) whose modelled peak device memory fits ``device_memory_bytes``; 0 if
+    not even one token fits; ``limit`` means "at least ``limit``".
+
+    Args:
+        modelled: sequence length -> modelled profiles of the layer sequence (microbatch size fixed).
+        stages: ``(kind, layers)`` of the step's stages in round-robin order.
+        num_devices: devices of the round robin.
+        device_memory_bytes: one device's memory, bytes.
+        limit: the largest length searched.
+    """
+
+    def fits(seq_len: int) -> bool:
+        return peak_device_memory_bytes(modelled(seq_len), stages, num_devices) <= device_memory_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return lo if not fits(limit) else limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
