@@ -157,3 +157,18 @@ def test_fit_raises_device_memory_error_through_lightning():
     t = trainer(RoundPipeStrategy(device_memory_bytes=32 * 1024, partition="default"), devices=2, max_steps=1)
     with pytest.raises(DeviceMemoryError, match="device_memory_bytes=32768"):
         t.fit(module, loader(TokenData(n=8), batch_size=4))
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 2, 3, 7, 8, 100, 1023, 1024, 1025, 5000])
+def test_largest_fitting_finds_the_threshold(threshold):
+    """Doubling + bisection returns the largest length that fits (oracle: the threshold itself), capped at the limit."""
+    from lightning_roundpipe.partition.seqlen import largest_fitting
+
+    calls = []
+
+    def fits(n):
+        calls.append(n)
+        return n <= threshold
+
+    assert largest_fitting(fits, limit=1025) == min(threshold, 1025)
+    assert len(calls) <= 2 * 11 + 2  # O(log limit) probes

@@ -31,6 +31,7 @@ from lightning_roundpipe.partition.partitioner import (
 )
 from lightning_roundpipe.partition.presets import canonical_preset_name, preset_config, preset_names
 from lightning_roundpipe.partition.profile import HardwareModel
+from lightning_roundpipe.partition.seqlen import largest_fitting
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages
 
@@ -210,17 +211,7 @@ def longest_sequence(modelled: Callable[[int], ModelledProfiles], stage_memory_b
         mp = modelled(seq_len)
         return min_stage_memory_bytes(mp.profiles, mp.saved_activation_bytes) <= stage_memory_bytes
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= MAX_SEQ_LEN_SEARCHED and fits(hi):
-        lo, hi = hi, hi * 2
-    if hi > MAX_SEQ_LEN_SEARCHED:
-        return lo  # == MAX_SEQ_LEN_SEARCHED: at least this long
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return largest_fitting(fits, MAX_SEQ_LEN_SEARCHED)
 
 
 def _predict(plan: ExecutionPlan, mp: ModelledProfiles, hw: HardwareModel) -> tuple[float, tuple[float, ...], str]:

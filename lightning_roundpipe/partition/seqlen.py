@@ -59,13 +59,22 @@ def planned_max_seq_len(modelled: Callable[[int], ModelledProfiles], stages: Sta
     def fits(seq_len: int) -> bool:
         return peak_device_memory_bytes(modelled(seq_len), stages, num_devices) <= device_memory_bytes
 
+    return largest_fitting(fits, limit)
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest ``n`` in ``1..limit`` with ``fits(n)``, for a ``fits`` that holds up to some length and
+    fails beyond it (memory grows with the sequence): doubling, then bisection (``O(log n)`` calls).
+    0 when ``fits(1)`` fails; ``limit`` when ``fits(limit)`` holds."""
     if not fits(1):
         return 0
     lo, hi = 1, 2
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
     if hi > limit:
-        return lo if not fits(limit) else limit
+        if lo == limit or fits(limit):
+            return limit
+        hi = limit
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
