@@ -126,8 +126,13 @@ def test_predicted_step_is_logged_beside_the_measured_step():
     for m in rows:
         step, predicted, pipeline = m["roundpipe/step(s)"], m["roundpipe/predicted_step(s)"], m["roundpipe/pipeline(s)"]
         assert step >= pipeline > 0 and "roundpipe/optimizer(s)" in m
-        # loose here (host-side Python per op is not simulated); benchmarks/cpu_scaling.py reports the figure
-        assert 0.5 * step <= predicted <= 2.0 * step, (step, predicted)
+        # a load-independent bound from the modelled link: a device's uploads share one 2 MB/s H2D link, so
+        # neither the prediction nor the measurement can be shorter than the busiest device's H2D bytes / rate
+        link_s = max(m[f"roundpipe/device{d}/h2d(bytes)"] for d in range(2)) / 2e6
+        assert link_s > 0 and predicted >= 0.99 * link_s and step >= 0.99 * link_s, (link_s, predicted, step)
+        # the prediction is not above the measurement by much (host load only lengthens the measured step;
+        # benchmarks/cpu_scaling.py reports the measured/predicted figure on a quiet machine)
+        assert predicted <= 2.0 * step, (step, predicted)
 
 
 @pytest.mark.parametrize("kwargs,match", [
