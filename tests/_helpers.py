@@ -175,14 +175,18 @@ def fit_params(make: Callable[[], L.LightningModule], data: Dataset, strategy: A
 
 
 class SigintAfter(L.Callback):
-    """Sends this process a real SIGINT (as Ctrl+C does) after ``steps`` optimizer steps of ``fit``."""
+    """Sends this process a real SIGINT (as Ctrl+C does; or ``signal_name``, e.g. ``"SIGTERM"`` as SLURM
+    and ``timeout`` send) after ``steps`` optimizer steps of ``fit``."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, signal_name: str = "SIGINT") -> None:
         self.steps = steps
+        self.signal_name = signal_name
+        self.sent = False
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step >= self.steps:
+        if trainer.global_step >= self.steps and not self.sent:
             import os
             import signal
 
-            os.kill(os.getpid(), signal.SIGINT)
+            self.sent = True
+            os.kill(os.getpid(), getattr(signal, self.signal_name))

