@@ -212,6 +212,9 @@ class RoundPipeConfig:
         if self.module is not None and not isinstance(self.module, str):
             raise TypeError(f"`module` must be the name of a LightningModule attribute (str) or None,"
                             f" got {type(self.module).__name__}. HINT: `module='model'` for `self.model`.")
+        if isinstance(self.module, str) and not all(part.isidentifier() for part in self.module.split(".")):
+            raise ValueError(f"`module` must be an attribute path of the LightningModule such as 'model' or"
+                             f" 'backbone.lm', got {self.module!r}. HINT: None picks the one supported model it holds.")
         if self.partition not in PARTITION_MODES:
             raise ValueError(f"`partition` must be one of {list(PARTITION_MODES)}, got {self.partition!r}."
                              " HINT: pass explicit stages with `forward_stages=` and `backward_stages=`.")

@@ -310,6 +310,11 @@ def test_strategy_takes_a_config() -> None:
     (dict(cpu_link_bytes_per_s=float("inf")), ValueError, r"`cpu_link_bytes_per_s`.*finite"),
     (dict(fused_loss=1), TypeError, r"`fused_loss` must be a bool"),
     (dict(forward_stages="0,3"), TypeError, r"`forward_stages`"),
+    (dict(module=""), ValueError, r"`module` must be an attribute path"),
+    (dict(module="model."), ValueError, r"`module` must be an attribute path"),
+    (dict(device_memory_bytes=0), ValueError, r"`device_memory_bytes`.*HINT"),
+    (dict(trace_every_n_steps=-1), ValueError, r"`trace_every_n_steps`.*HINT"),
+    (dict(peak_flops=float("nan")), ValueError, r"`peak_flops`.*HINT"),
 ])
 def test_config_validates_each_field(kwargs, exc, match) -> None:
     from lightning_roundpipe.config import RoundPipeConfig

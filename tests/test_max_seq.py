@@ -102,6 +102,20 @@ def test_cli_requires_a_budget_on_cpu(capsys):
     assert "--device-memory-mib" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,match", [
+    (["--model", "/nonexistent", "--device-memory-mib", "96"], "no Hugging Face config at /nonexistent"),
+    (["--tiny", "--accelerator", "cuda"], "needs 2 CUDA devices"),
+    (["--tiny", "--device-memory-mib", "1"], "not even the shortest sequence"),
+])
+def test_cli_errors_are_explained(argv, match, capsys):
+    import torch
+
+    if "cuda" in argv and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+    assert main(["max-seq", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
 def test_strategy_validates_the_budget():
     from lightning_roundpipe import RoundPipeStrategy
 

@@ -111,6 +111,11 @@ def test_bad_inputs_exit_2_with_message(capsys):
     assert "`--devices`" in capsys.readouterr().err
     assert main(["plan", "--preset", "qwen3-32b", "--device-memory-gib", "2"]) == 2
     assert "over the per-stage memory budget" in capsys.readouterr().err
+    assert main(["plan", "--preset", "qwen3-1.7b", "--devices", "1000"]) == 2  # refused at once (was minutes)
+    assert "`--devices` must be in 1..64" in capsys.readouterr().err
+    for flag, value in (("--tflops", "inf"), ("--h2d-gbps", "0"), ("--device-memory-gib", "0")):
+        assert main(["plan", "--preset", "qwen3-1.7b", flag, value]) == 2
+        assert f"`{flag}` must be a finite number > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", "--preset", "qwen3-1.7b", "--method", "magic"])
 

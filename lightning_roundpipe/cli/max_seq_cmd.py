@@ -76,6 +76,12 @@ def _model(args: argparse.Namespace):
         from lightning_roundpipe.recipes.smollm2 import tiny_smollm2
 
         return tiny_smollm2()
+    from pathlib import Path
+
+    path = Path(args.model)
+    if not (path.is_file() or (path / "config.json").is_file()):
+        raise ValueError(f"`--model {args.model}`: no Hugging Face config at {path} (a config.json file or a folder"
+                         " holding one). HINT: `--tiny` for a two-layer random SmolLM2.")
     config = AutoConfig.from_pretrained(args.model, local_files_only=True)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -107,6 +113,10 @@ def make_report(args: argparse.Namespace) -> MaxSeqReport:
     D = args.devices
     M = args.microbatches or D + 1
     if args.accelerator == "cuda":
+        if not torch.cuda.is_available() or torch.cuda.device_count() < D:
+            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise ValueError(f"`--accelerator cuda --devices {D}` needs {D} CUDA devices; this torch sees {found}."
+                             " HINT: `--accelerator cpu --device-memory-mib 96` measures on CPU virtual devices.")
         devices = [torch.device("cuda", i) for i in range(D)]
         budget = (int(args.device_memory_mib * MiB) if args.device_memory_mib is not None
                   else torch.cuda.get_device_properties(0).total_memory)
@@ -155,7 +165,8 @@ def format_report(r: MaxSeqReport) -> str:
              "steps tried (tokens: ran?): " + ", ".join(f"{s}:{'ok' if ok else 'OOM'}" for s, ok in r.trials),
              f"longest sequence, measured: {r.measured} tokens"
              + (f" ({r.first_failing} ran out of memory)" if r.first_failing else " (the search limit)"),
-             f"longest sequence, planner:  {r.planned} tokens (planner / measured = {r.ratio:.3f})"]
+             f"longest sequence, planner:  {r.planned} tokens"
+             + (f" (planner / measured = {r.ratio:.3f})" if r.measured else "")]
     if r.measured_peak_bytes is not None:
         lines.append(f"peak device memory at {r.measured} tokens: measured {r.measured_peak_bytes / MiB:.1f} MiB,"
                      f" planner {r.planned_peak_bytes / MiB:.1f} MiB")
@@ -171,4 +182,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"roundpipe max-seq: error: {error}", file=sys.stderr)
         return 2
     print(format_report(report))
+    if report.measured == 0:
+        print("roundpipe max-seq: error: not even the shortest sequence tried fits the device memory."
+              " HINT: raise `--device-memory-mib` or add `--devices`.", file=sys.stderr)
+        return 2
     return 0

@@ -38,6 +38,8 @@ from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, bu
 GiB = 2**30
 #: Upper bound of the longest-sequence search, tokens (a result equal to it means "at least").
 MAX_SEQ_LEN_SEARCHED = 1 << 22
+#: most devices one plan covers (one machine; a 1000-device plan would take minutes to simulate)
+MAX_DEVICES = 64
 #: Bytes of a compute dtype ``--dtype-bytes`` accepts: 1 (fp8), 2 (bf16/fp16), 4 (fp32).
 DTYPE_BYTES = (1, 2, 4)
 
@@ -150,6 +152,14 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         shape = ModelShape.from_config(preset_config(key))
     else:
         shape = ModelShape.load(args.model)
+    for flag, value in (("--tflops", args.tflops), ("--h2d-gbps", args.h2d_gbps), ("--d2h-gbps", args.d2h_gbps),
+                        ("--duplex-h2d-gbps", args.duplex_h2d_gbps), ("--device-memory-gib", args.device_memory_gib)):
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"`{flag}` must be a finite number > 0, got {value}. HINT: see `roundpipe plan --help`"
+                             " for each flag's default (an RTX 4090 on PCIe 4.0 x16).")
+    if not 1 <= args.devices <= MAX_DEVICES:
+        raise ValueError(f"`--devices` must be in 1..{MAX_DEVICES} (devices of one machine), got {args.devices}."
+                         " HINT: across machines, plan one node and add data parallelism (`Trainer(num_nodes=N)`).")
     gbps = 1e9
     hw = HardwareModel(
         flops_per_s=args.tflops * 1e12,

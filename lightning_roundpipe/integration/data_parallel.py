@@ -182,8 +182,8 @@ def warn_devices_auto(trainer: Any) -> None:
     devices = trainer.strategy.parallel_devices or [torch.device("cpu")]
     if len(devices) == 1 and torch.device(devices[0]).type == "cpu":
         rank_zero_warn(
-            "RoundPipe pipelines over 1 CPU virtual device (what `devices='auto'` gives with `accelerator='cpu'`):"
-            " every stage runs on one compute thread. HINT: pass `Trainer(devices=N)` for N CPU virtual devices.",
+            "RoundPipe pipelines over 1 CPU virtual device (`devices=1`, also what `devices='auto'` becomes with"
+            " `accelerator='cpu'`): every stage runs on one compute thread. HINT: pass `Trainer(devices=N)` for N CPU virtual devices.",
             category=PossibleUserWarning,
         )
 

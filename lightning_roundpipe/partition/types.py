@@ -44,4 +44,7 @@ def _check_tiling(ranges: tuple[range, ...], num_layers: int, name: str) -> None
         )
     covered = ranges[-1].stop if ranges else 0
     if covered != num_layers:
-        raise ValueError(f"`{name}` covers layers 0..{covered - 1} but the model has {num_layers} layers.")
+        raise ValueError(f"`{name}` covers layers 0..{covered - 1} but the model's layer sequence has {num_layers} layers"
+                         f" (0..{num_layers - 1}). HINT: a Hugging Face causal LM's sequence is the prefix (embedding),"
+                         " one entry per decoder layer, then the tail (norm, LM head, loss): num_hidden_layers + 2;"
+                         " RoundPipe's setup line prints it.")
