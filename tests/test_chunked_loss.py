@@ -138,3 +138,25 @@ def test_cost_model_tail_memory_is_the_chunk():
     assert tail(cm, 8192) == 2 * 8192 * 64 * 4 + chunk * 49152 * per_logit
     assert tail(unchunked, 8192) == 2 * 8192 * 64 * 4 + 8192 * 49152 * per_logit
     assert tail(cm, 256) == tail(unchunked, 256)  # one chunk holds the whole sequence
+
+
+def test_one_chunk_runs_the_lm_head_once_several_chunks_recompute():
+    """The fused tail's point is that the LM head is never recomputed: when one chunk holds every token
+    the head runs once (forward + backward); with several chunks each chunk's logits are recomputed."""
+    from lightning_roundpipe.adapters.chunked_loss import chunked_causal_lm_loss
+
+    torch.manual_seed(0)
+    head = nn.Linear(8, 11)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5))
+    calls = []
+
+    def logits_fn(h):
+        calls.append(h.shape[0])
+        return head(h)
+
+    for chunk, expected_calls in ((10, 1), (1000, 1), (4, 2 * 3)):  # 10 tokens: 1 chunk, 1 chunk, 3 chunks x 2
+        calls.clear()
+        loss = chunked_causal_lm_loss(hidden, logits_fn, labels, chunk_tokens=chunk)
+        loss.backward()
+        assert len(calls) == expected_calls, (chunk, calls)

@@ -143,15 +143,15 @@ def chunked_causal_lm_loss(
     Args:
         hidden: final hidden states after the last norm, float ``(batch, seq, hidden)``.
         logits_fn: ``(tokens, hidden) -> (tokens, vocab)`` logits (the LM head, then any logits
-            scaling or soft-capping); called once per chunk in forward and once more per chunk in
-            backward (recomputation).
+            scaling or soft-capping); called once per chunk in forward and, with several chunks, once
+            more per chunk in backward (recomputation); a single chunk keeps its graph (one call).
         labels: int64 ``(batch, seq)``, ``ignore_index`` at ignored positions (not yet shifted).
         num_items_in_batch: the divisor (label tokens of the whole batch after the shift); ``None``:
             the non-ignored shifted labels of ``labels``.
         chunk_tokens: tokens per chunk (see :func:`default_chunk_tokens`).
         ignore_index: label value that contributes no loss.
-        recompute: with grad enabled, keep no chunk's logits for backward (recompute them); ``False``
-            keeps every chunk's autograd graph (use when ``logits_fn`` draws random numbers).
+        recompute: with grad enabled and several chunks, keep no chunk's logits for backward (recompute
+            them); ``False`` keeps every chunk's autograd graph (use when ``logits_fn`` draws random numbers).
 
     Returns:
         The scalar fp32 loss.
@@ -166,7 +166,9 @@ def chunked_causal_lm_loss(
                          f" got {tuple(labels.shape)}.")
     target = shifted_labels(labels, ignore_index).reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    use_checkpoint = recompute and torch.is_grad_enabled()
+    # one chunk holds all the tokens: keep its graph (its logits are within the chunk budget anyway), so the
+    # LM head is not run twice; recompute only when there are several chunks to keep out of memory at once
+    use_checkpoint = recompute and torch.is_grad_enabled() and flat.shape[0] > chunk_tokens
     total = None
     for h, y in zip(flat.split(chunk_tokens), target.split(chunk_tokens)):
         if use_checkpoint:
