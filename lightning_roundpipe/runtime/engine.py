@@ -22,10 +22,11 @@ from lightning_roundpipe.config import RoundPipeConfig
 from lightning_roundpipe.metrics.timeline import Timeline
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.autograd import attach
+from lightning_roundpipe.runtime.autopartition import choose_partition, fused_stages
 from lightning_roundpipe.runtime.backends import make_backends
 from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.memory import HostMemory, host_memory
-from lightning_roundpipe.runtime.microbatch import merge_input_grads, merge_leaves, split_grads, split_microbatches
+from lightning_roundpipe.runtime.microbatch import check_batch_dim, merge_input_grads, merge_leaves, split_grads, split_microbatches
 from lightning_roundpipe.runtime.profiler import LayerProfiler
 from lightning_roundpipe.runtime.routing import RoutingStore
 from lightning_roundpipe.runtime.store import WeightStore
@@ -36,13 +37,6 @@ from lightning_roundpipe.schedule.program import StreamProgram
 log = logging.getLogger(__name__)
 
 
-def _fused_stages(partition: PartitionPlan):
-    """Stages of the fused path for ``partition``: forward stages clipped before the tail, the tail fused."""
-    tail = partition.backward_stages[0]
-    fwd = [range(r.start, min(r.stop, tail.start)) for r in partition.forward_stages]
-    return build_stages([r for r in fwd if len(r)], partition.backward_stages, fused_tail=True)
-
-
 def _once(state: PipelineState) -> None:
     if state.backward_done:
         raise RuntimeError(
@@ -50,18 +44,6 @@ def _once(state: PipelineState) -> None:
             " after the first backward. HINT: do not use `retain_graph=True` across the pipelined model."
         )
     state.backward_done = True
-
-
-def _check_batch_dim(per_mb_leaves: list[list], sizes: list[int], family: str) -> None:
-    """Outputs of a model without additive scalars must carry the batch on dim 0 (they are concatenated)."""
-    for leaves, rows in zip(per_mb_leaves, sizes):
-        for t in leaves:
-            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != rows):
-                raise ValueError(
-                    f"The pipelined `{family}` returned a tensor of shape {tuple(t.shape)} for a microbatch of {rows} rows:"
-                    " its outputs must carry the batch on dim 0, because RoundPipe concatenates them over microbatches."
-                    " HINT: compute reductions (the loss, a mean over the batch) outside the pipelined model."
-                )
 
 
 class RoundPipeEngine:
@@ -337,7 +319,7 @@ class RoundPipeEngine:
     def fused_stages(self):
         """Stages of the fused path: forward stages clipped before the tail, the tail fused."""
         if self._fused_stages is None:
-            self._fused_stages = _fused_stages(self.partition)
+            self._fused_stages = fused_stages(self.partition)
         return self._fused_stages
 
     def _advance(self, n: int) -> int:
@@ -399,7 +381,7 @@ class RoundPipeEngine:
         finals = [pytree.tree_flatten(state.final.pop(i)) for i in range(m)]
         spec = finals[0][1]
         if not seq.additive_scalars:
-            _check_batch_dim([leaves for leaves, _ in finals], sizes, seq.family)
+            check_batch_dim([leaves for leaves, _ in finals], sizes, seq.family)
         merged = merge_leaves([leaves for leaves, _ in finals])
         extra = self._routing_outputs(state, carry)
         if extra:
@@ -555,7 +537,7 @@ class RoundPipeEngine:
         self.measured_profiles = profiles
         if self.auto_partition_after_steps is None:
             return None
-        new = self._choose_partition(profiles)
+        new = choose_partition(self, profiles)
         if (new.forward_stages, new.backward_stages) != (self.partition.forward_stages, self.partition.backward_stages):
             from lightning_roundpipe.partition import describe_stages
 
@@ -567,52 +549,6 @@ class RoundPipeEngine:
                       f" (objective {(new.objective_s or 0.0) * 1e3:.3f} ms):\n{rows}")
             self.set_partition(new)
         return new
-
-    def _choose_partition(self, profiles) -> PartitionPlan:
-        """The partition to run from now on, chosen by the simulator on the measured layer times.
-
-        Candidates: what each of the partitioner's methods proposes (DESIGN.md section 6), and the
-        uniform asymmetric cuts (forward stages of 1..4 layers, backward stages of 1..2) that fit
-        the stage memory budget; the simulator times the program each would run (same
-        microbatches, fused or not, the same link) and the fastest wins (ties: listed first). The
-        partitioner's objective, ``max(S, D) x`` the largest stage cost, does not see the fill and
-        drain of the round robin, which dominate with few devices and microbatches.
-        """
-        from lightning_roundpipe.partition import METHODS, auto_partition, plan_objective_s, stage_memory
-
-        n = len(self.seq)
-        candidates = [auto_partition(profiles, len(self.backends), self.stage_memory_bytes, method=m) for m in METHODS]
-        if self._last_call is None:
-            return candidates[0]
-        for forward_layers in range(1, 5):
-            for backward_layers in (1, 2):
-                _, bwd = default_stage_ranges(n, forward_layers, backward_layers)
-                tail = bwd[0]  # auto_partition's form: the forward stages end with the fused tail's range
-                fwd = tuple(range(i, min(i + forward_layers, tail.start)) for i in range(0, tail.start, forward_layers))
-                fwd += (tail,)
-                budget = self.stage_memory_bytes
-                if budget is None or all(stage_memory(profiles, r, kind) <= budget
-                                         for rs, kind in ((fwd, "forward"), (bwd, "backward")) for r in rs):
-                    uniform = PartitionPlan(fwd, bwd)
-                    candidates.append(PartitionPlan(fwd, bwd, plan_objective_s(uniform, profiles, len(self.backends))))
-        timed = [(self._simulated_step_s(c, profiles), i) for i, c in enumerate(candidates)]
-        best_s, best = min(timed)
-        self.info(f"RoundPipe: simulated step of {len(timed)} candidate partitions: {best_s * 1e3:.1f} .."
-                  f" {max(t for t, _ in timed) * 1e3:.1f} ms; chose candidate {best} ({best_s * 1e3:.1f} ms)")
-        return candidates[best]
-
-    def _simulated_step_s(self, partition: PartitionPlan, profiles) -> float:
-        """Simulated time of one step of the last call's shape (microbatches, fused or not) under ``partition``."""
-        from lightning_roundpipe.simulate import simulate_program
-
-        num_microbatches, fused = self._last_call
-        if fused:
-            plans = [self._build_plan(_fused_stages(partition), num_microbatches, 0)]
-        else:
-            plan = self._build_plan(build_stages(partition.forward_stages, partition.backward_stages), num_microbatches, 0)
-            plans = [plan.phase("forward"), plan.phase("backward")]
-        hardware = self.hardware_model()
-        return sum(simulate_program(self._lower(p), profiles, hardware).iteration_s for p in plans)
 
     def hardware_model(self):
         """The link model the prediction uses: on CUDA the measured pinned H2D/D2H rates of the first

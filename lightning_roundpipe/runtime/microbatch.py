@@ -102,3 +102,15 @@ def merge_input_grads(batch_leaves: Sequence[torch.Tensor], per_mb_grads: Sequen
         else:
             out.append(torch.stack([g for g in grads if g is not None]).sum(0).to(leaf.dtype))
     return out
+
+
+def check_batch_dim(per_mb_leaves: list[list], sizes: list[int], family: str) -> None:
+    """Outputs of a model without additive scalars must carry the batch on dim 0 (they are concatenated)."""
+    for leaves, rows in zip(per_mb_leaves, sizes):
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != rows):
+                raise ValueError(
+                    f"The pipelined `{family}` returned a tensor of shape {tuple(t.shape)} for a microbatch of {rows} rows:"
+                    " its outputs must carry the batch on dim 0, because RoundPipe concatenates them over microbatches."
+                    " HINT: compute reductions (the loss, a mean over the batch) outside the pipelined model."
+                )
