@@ -4,7 +4,13 @@ Model: Llama-shaped (8 decoder layers, hidden 256, vocab 8192, tied embeddings),
 tokens, ``32-true``, SGD; one training step = forward, fused tail, backward and the optimizer.
 Every figure is a ratio against a baseline run in the same process (DESIGN.md section 8, issue 6):
 
-1. RoundPipe on 2 CPU virtual devices vs 1, at ``num_microbatches`` 3 and 8 (target >= 1.8x).
+1. RoundPipe on 2 CPU virtual devices vs 1, at ``num_microbatches`` 3 and 8 (target >= 1.8x), three
+   ways: (a) each with its own automatic plan (what a user gets; on 1 device that is the whole model
+   as one fused stage, nothing recomputed), (b) the same work: the 2-device automatic plan (stages
+   and microbatch rounds) run on 1 device, and (c) the fixed default partition (3-layer forward
+   stages, 1-layer backward stages, full recomputation) on both, the issue's "1 thread with the same
+   recomputation". Beside (a), the simulator's bound: its best 2-device plan vs its best 1-device
+   plan on the layer times measured in the 2-device run (no plan the builder can express beats it).
 2. RoundPipe on 1 virtual device vs plain Lightning training on 1 thread with the same per-layer
    recomputation (HF gradient checkpointing), same microbatch count 1 (target <= 1.05x).
 3. With ``cpu_link_bytes_per_s`` set so that a stage's weight upload takes about as long as its
@@ -59,12 +65,17 @@ class LM(L.LightningModule):
 
 
 class StepTimes(L.Callback):
-    """Wall time of every training batch, and the RoundPipe metrics the strategy logged."""
+    """Wall time of every training batch, the RoundPipe metrics the strategy logged, and the plan it
+    ran last (stages, rounds, the automatic choice)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.logged: list[dict[str, float]] = []
         self._t = 0.0
+        self.engine = None
+
+    def on_train_end(self, trainer, *args) -> None:
+        self.engine = getattr(trainer.strategy, "engine", None)
 
     def on_train_batch_start(self, trainer, *args) -> None:
         self._t = time.perf_counter()
@@ -96,12 +107,53 @@ def roundpipe(num_microbatches: int, **kw) -> lightning_roundpipe.RoundPipeStrat
     return lightning_roundpipe.RoundPipeStrategy(num_microbatches=num_microbatches, **kw)
 
 
+def _predicted(timer: StepTimes) -> str:
+    got = [r["roundpipe/predicted_step(s)"] for r in timer.logged if "roundpipe/predicted_step(s)" in r]
+    return f"{median(got):.3f}" if got else "n/a"
+
+
+def _plan(engine) -> str:
+    stages = engine.fused_stages
+    rounds = "one round" if engine.microbatches_per_round is None else f"rounds of {engine.microbatches_per_round}"
+    return f"{len(stages)} stage(s) [{', '.join(f'{s.layers.start}..{s.layers.stop - 1}' for s in stages)}], {rounds}"
+
+
+def _simulated_bound(two_engine, devices_one_engine) -> float:
+    """The simulator's best 1-device plan over its best 2-device plan, both on the 2-device run's
+    measured layer times (transfers free, as unthrottled CPU copies are in its model)."""
+    from lightning_roundpipe.runtime.autopartition import choose_partition
+
+    profiles = two_engine.measured_profiles
+    one = devices_one_engine
+    one.info = lambda message: None
+    one._last_call, one._last_sizes = two_engine._last_call, two_engine._last_sizes
+    return choose_partition(one, profiles).simulated_s / two_engine.plan_choice.simulated_s
+
+
 def scaling(args: argparse.Namespace) -> None:
     print("\n== 1. RoundPipe, 2 CPU virtual devices vs 1 (step time ratio; target >= 1.8x)")
     for m in (3, 8):
-        one = median(run(args, roundpipe(m), 1).times)
-        two = median(run(args, roundpipe(m), 2).times)
-        print(f"num_microbatches={m}: 1 device {one:.3f} s/step, 2 devices {two:.3f} s/step, speed-up {one / two:.2f}x")
+        auto1, auto2 = run(args, roundpipe(m), 1), run(args, roundpipe(m), 2)
+        one, two = median(auto1.times), median(auto2.times)
+        bound = _simulated_bound(auto2.engine, auto1.engine)
+        print(f"num_microbatches={m}: (a) own automatic plans: 1 device {one:.3f} s/step ({_plan(auto1.engine)}),"
+              f" 2 devices {two:.3f} s/step ({_plan(auto2.engine)}): speed-up {one / two:.2f}x"
+              f" (simulator's bound {bound:.2f}x)")
+        engine = auto2.engine
+        pinned = roundpipe(m, forward_stages=list(engine.partition.forward_stages),
+                           backward_stages=list(engine.partition.backward_stages),
+                           microbatches_per_round=engine.microbatches_per_round or m)
+        same_run = run(args, pinned, 1)
+        same = median(same_run.times)
+        print(f"num_microbatches={m}: (b) same work (the 2-device plan on 1 device): 1 device {same:.3f} s/step:"
+              f" speed-up {same / two:.2f}x")
+        fixed1_run, fixed2_run = run(args, roundpipe(m, partition="default"), 1), run(args, roundpipe(m, partition="default"), 2)
+        fixed1, fixed2 = median(fixed1_run.times), median(fixed2_run.times)
+        print(f"num_microbatches={m}: (c) default partition, full recomputation: 1 device {fixed1:.3f} s/step,"
+              f" 2 devices {fixed2:.3f} s/step: speed-up {fixed1 / fixed2:.2f}x")
+        print(f"num_microbatches={m}: simulator's prediction of the same runs (s/step): (a) 1 device {_predicted(auto1)},"
+              f" 2 devices {_predicted(auto2)}; (b) {_predicted(same_run)}; (c) 1 device {_predicted(fixed1_run)},"
+              f" 2 devices {_predicted(fixed2_run)}")
 
 
 def overhead(args: argparse.Namespace) -> None:

@@ -164,8 +164,11 @@ class RoundPipeConfig:
 
     microbatches_per_round: int | None = None
     """``int > 0`` or ``None``, microbatches; default ``None``: one round, every stage loaded once per
-    step. Dispatch the microbatches in rounds of at most this many (the paper's artifact uses rounds of
-    ``devices``)."""
+    step, except that ``partition="auto"`` then also times rounds of ``ceil(M / devices)``, of
+    ``devices`` and of 1 with every candidate partition and keeps the fastest (with the whole model as
+    one fused stage, rounds hand whole microbatches to the devices in turn, with no recomputation).
+    Dispatch the microbatches in rounds of at most this many (the paper's artifact uses rounds of
+    ``devices``); a value here is kept by the automatic choice."""
 
     cpu_link_bytes_per_s: float | None = None
     """``float > 0`` or ``None``, bytes/s per direction; default ``None``: copies at memory speed. CPU

@@ -22,7 +22,8 @@ from lightning_roundpipe.config import RoundPipeConfig
 from lightning_roundpipe.metrics.timeline import Timeline
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.autograd import attach
-from lightning_roundpipe.runtime.autopartition import choose_partition, fused_stages
+from lightning_roundpipe.runtime.autopartition import (choose_partition, fused_stages, hardware_model,
+                                                      microbatch_weights, predict_step_s)
 from lightning_roundpipe.runtime.backends import make_backends
 from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.memory import HostMemory, host_memory
@@ -68,7 +69,8 @@ class RoundPipeEngine:
             forward call (DESIGN.md section 2, fused path); ``False`` always uses the transparent path.
         chunk_bytes: largest weight upload chunk, bytes (paper section 3.3; default 64 MiB).
         microbatches_per_round: dispatch microbatches in rounds of at most this many
-            (:func:`~lightning_roundpipe.schedule.build_roundpipe_plan`); ``None``: one round.
+            (:func:`~lightning_roundpipe.schedule.build_roundpipe_plan`); ``None``: one round, or,
+            with ``auto_partition_after_steps``, the rounds the automatic choice finds fastest.
         cpu_link_bytes_per_s: CPU virtual devices: modelled host link rate per direction, bytes/s
             (``None``: unthrottled copies).
         debug_copy_delay_s: CPU virtual devices, debugging: every copy lands this many seconds late
@@ -110,6 +112,7 @@ class RoundPipeEngine:
         self._fused_stages = None
         self.chunk_bytes = chunk_bytes
         self.microbatches_per_round = microbatches_per_round
+        self.rounds_pinned = microbatches_per_round is not None  # the automatic choice keeps them
         self.cpu_link_bytes_per_s = cpu_link_bytes_per_s
         self.backends = make_backends(self.devices, cpu_link_bytes_per_s, debug_copy_delay_s, device_memory_bytes)
         self.device_memory_bytes = device_memory_bytes
@@ -132,6 +135,8 @@ class RoundPipeEngine:
         self.auto_partition_after_steps = auto_partition_after_steps
         self.measured_profiles = None
         self._last_call: tuple[int, bool] | None = None  # (microbatches, fused) of the last training call
+        self._last_sizes: list[int] = []  # rows of each microbatch of the last training call
+        self.plan_choice = None  # the automatic choice (autopartition.PlanChoice), once made
         self._predictions: dict[int, tuple[StreamProgram, float]] = {}
         self.grad_barrier: Callable[[], None] | None = None
         """Called in the main thread right before the engine writes gradients into the masters'
@@ -271,10 +276,13 @@ class RoundPipeEngine:
         self.executor.close()
         self.store.restore_frozen()
 
-    def set_partition(self, partition: PartitionPlan) -> None:
-        """Use new stage boundaries from the next call on (e.g. from the automatic partitioner)."""
+    def set_partition(self, partition: PartitionPlan, microbatches_per_round: int | None | str = "keep") -> None:
+        """Use new stage boundaries (and, unless ``"keep"``, new microbatch rounds) from the next call
+        on, e.g. what the automatic choice found fastest."""
         partition.validate(len(self.seq))
         self.partition = partition
+        if microbatches_per_round != "keep":
+            self.microbatches_per_round = microbatches_per_round
         self.stages = build_stages(partition.forward_stages, partition.backward_stages)
         self._fused_stages = None
         self._plans.clear()
@@ -295,9 +303,11 @@ class RoundPipeEngine:
             plan = self._plans[key] = self._build_plan(stages, num_microbatches, cursor)
         return plan
 
-    def _build_plan(self, stages, num_microbatches: int, cursor: int) -> ExecutionPlan:
+    def _build_plan(self, stages, num_microbatches: int, cursor: int,
+                    microbatches_per_round: int | None | str = "keep") -> ExecutionPlan:
+        per_round = self.microbatches_per_round if microbatches_per_round == "keep" else microbatches_per_round
         return build_roundpipe_plan(stages, len(self.backends), num_microbatches, cursor,
-                                    microbatches_per_round=self.microbatches_per_round)
+                                    microbatches_per_round=per_round)
 
     def _lower(self, plan: ExecutionPlan) -> StreamProgram:
         return lower(plan, stage_weight_bytes=[self.store.stage_bytes(s.layers) for s in plan.stages],
@@ -376,7 +386,7 @@ class RoundPipeEngine:
             return self._fused_forward(state, m, flat, sizes, grad_inputs, carry)
         cursor = self._advance(n_fwd)
         if training:
-            self._last_call = (m, False)
+            self._last_call, self._last_sizes = (m, False), list(sizes)
         self._run(self.program(m, cursor, phase="forward"), state, record=training)
         finals = [pytree.tree_flatten(state.final.pop(i)) for i in range(m)]
         spec = finals[0][1]
@@ -470,7 +480,7 @@ class RoundPipeEngine:
             self.on_fused_call()
         state.loss_seed = seed
         state.grad_sink = {}
-        self._last_call = (m, True)
+        self._last_call, self._last_sizes = (m, True), list(sizes)
         self._run(self.program(m, self._advance(len(self.fused_stages)), fused=True), state)
         key = self.seq.loss_key
         loss = merge_leaves([[state.final.pop(i)[key]] for i in range(m)])[0]
@@ -537,49 +547,38 @@ class RoundPipeEngine:
         self.measured_profiles = profiles
         if self.auto_partition_after_steps is None:
             return None
-        new = choose_partition(self, profiles)
-        if (new.forward_stages, new.backward_stages) != (self.partition.forward_stages, self.partition.backward_stages):
-            from lightning_roundpipe.partition import describe_stages
+        choice = self.plan_choice = choose_partition(self, profiles)
+        new = choice.partition
+        same_stages = (new.forward_stages, new.backward_stages) == (self.partition.forward_stages,
+                                                                    self.partition.backward_stages)
+        if same_stages and choice.microbatches_per_round == self.microbatches_per_round:
+            return new
+        from lightning_roundpipe.partition import describe_stages
 
-            rows = "\n".join(
-                f"  stage {s.stage_index:3d} {s.kind:8s} layers {s.layers.start}..{s.layers.stop - 1}"
-                f"  cost {s.cost_s * 1e3:9.3f} ms  params {s.param_bytes / 2**20:9.2f} MiB"
-                for s in describe_stages(new, profiles))
-            self.info(f"RoundPipe: automatic partition from {prof.steps_seen - prof.skip_steps} measured steps"
-                      f" (objective {(new.objective_s or 0.0) * 1e3:.3f} ms):\n{rows}")
-            self.set_partition(new)
+        rows = "\n".join(
+            f"  stage {s.stage_index:3d} {s.kind:8s} layers {s.layers.start}..{s.layers.stop - 1}"
+            f"  cost {s.cost_s * 1e3:9.3f} ms  params {s.param_bytes / 2**20:9.2f} MiB"
+            for s in describe_stages(new, profiles))
+        rounds = ("one round" if choice.microbatches_per_round is None
+                  else f"rounds of {choice.microbatches_per_round} microbatch(es)")
+        self.info(f"RoundPipe: automatic partition from {prof.steps_seen - prof.skip_steps} measured steps"
+                  f" (objective {(new.objective_s or 0.0) * 1e3:.3f} ms), {rounds}:\n{rows}")
+        self.set_partition(new, choice.microbatches_per_round)
         return new
 
     def hardware_model(self):
-        """The link model the prediction uses: on CUDA the measured pinned H2D/D2H rates of the first
-        GPU (bytes/s; duplex taken as the H2D rate); on CPU virtual devices the modelled link, or
-        ``None`` when copies are unthrottled (transfers then cost nothing in the prediction)."""
-        from lightning_roundpipe.partition.profile import HardwareModel
+        """The link model of the prediction (:func:`~lightning_roundpipe.runtime.autopartition.hardware_model`)."""
+        return hardware_model(self)
 
-        if self.backends[0].is_cuda:
-            h2d, d2h = self.backends[0].measure_link()
-        elif self.cpu_link_bytes_per_s is not None:
-            h2d = d2h = self.cpu_link_bytes_per_s
-        else:
-            return None
-        return HardwareModel(flops_per_s=1.0, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, h2d_duplex_bytes_per_s=h2d)
+    def microbatch_weights(self, num_microbatches: int) -> list[float] | None:
+        """Relative microbatch sizes of the last training call
+        (:func:`~lightning_roundpipe.runtime.autopartition.microbatch_weights`)."""
+        return microbatch_weights(self._last_sizes, num_microbatches)
 
     def predict_s(self, programs: Sequence[StreamProgram]) -> float | None:
-        """The simulator's time for ``programs`` (one step's), seconds, from the measured per-layer
-        profiles; ``None`` before the profiled steps are over. The same programs the executor ran
-        are timed (DESIGN.md section 3: one program, two consumers)."""
-        if self.measured_profiles is None or not programs:
-            return None
-        from lightning_roundpipe.simulate import simulate_program
-
-        total = 0.0
-        for program in programs:
-            got = self._predictions.get(id(program))
-            if got is None or got[0] is not program:
-                got = self._predictions[id(program)] = (
-                    program, simulate_program(program, self.measured_profiles, self.hardware_model()).iteration_s)
-            total += got[1]
-        return total
+        """The simulator's time for one step's ``programs``, seconds, ``None`` before the profiled steps
+        are over (:func:`~lightning_roundpipe.runtime.autopartition.predict_step_s`)."""
+        return predict_step_s(self, programs)
 
     def pop_step_programs(self) -> list[StreamProgram]:
         """The programs run since the last call (one step's: the fused program, or the forward and

@@ -35,6 +35,7 @@ Pure Python: no torch, no Lightning, no devices.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -81,9 +82,11 @@ class _CostModel:
     """Durations (s) and bytes of the program's ops (see the module docstring)."""
 
     def __init__(self, program: StreamProgram, profiles: Sequence[LayerProfile], hardware: HardwareModel | None,
-                 comm_s_per_hop: float | None, weight_grad_fraction: float) -> None:
+                 comm_s_per_hop: float | None, weight_grad_fraction: float,
+                 microbatch_weights: Sequence[float] | None = None) -> None:
         plan = program.plan
         self.hardware, self.comm_s_per_hop, self.weight_grad_fraction = hardware, comm_s_per_hop, weight_grad_fraction
+        self.microbatch_weights = None if microbatch_weights is None else [float(w) for w in microbatch_weights]
         self.stages = plan.stages
         self.activation_bytes = [p.activation_bytes for p in profiles]
         self.last_layer = len(profiles) - 1
@@ -104,7 +107,16 @@ class _CostModel:
                         if producer.kind is OpKind.D2H:
                             self.hop_ends.update((consumer, producer))
 
+    def _weight(self, op: Op) -> float:
+        """Relative size of ``op``'s microbatch (1.0 without ``microbatch_weights``)."""
+        if self.microbatch_weights is None or op.microbatch_index is None:
+            return 1.0
+        return self.microbatch_weights[op.microbatch_index]
+
     def compute_s(self, op: Op) -> float:
+        return self._weight(op) * self._compute_s(op)
+
+    def _compute_s(self, op: Op) -> float:
         stage = op.stage_index
         kind = op.kind
         if kind is OpKind.F:
@@ -132,7 +144,7 @@ class _CostModel:
             boundary = layers.stop  # gradient of, or activation at, the stage's output
         else:
             boundary = layers.start  # input gradient of a backward stage
-        return self.activation_bytes[min(boundary, self.last_layer)]
+        return int(self._weight(op) * self.activation_bytes[min(boundary, self.last_layer)])
 
     def fixed_transfer_s(self, op: Op) -> float | None:
         """Seconds of a transfer that does not depend on the link's state, ``None`` when it is
@@ -371,8 +383,10 @@ def _check_inputs(plan: ExecutionPlan, profiles: Sequence[LayerProfile], comm_s_
 
 
 def _run_program(program: StreamProgram, profiles: list[LayerProfile], hardware: HardwareModel | None,
-                 comm_s_per_hop: float | None, weight_grad_fraction: float) -> _Run:
-    return _Engine(program, _CostModel(program, profiles, hardware, comm_s_per_hop, weight_grad_fraction)).run()
+                 comm_s_per_hop: float | None, weight_grad_fraction: float,
+                 microbatch_weights: Sequence[float] | None = None) -> _Run:
+    costs = _CostModel(program, profiles, hardware, comm_s_per_hop, weight_grad_fraction, microbatch_weights)
+    return _Engine(program, costs).run()
 
 
 # ---------------------------------------------------------------------------------------- public
@@ -383,6 +397,7 @@ def simulate_program(
     *,
     comm_s_per_hop: float | None = None,
     weight_grad_fraction: float = 0.5,
+    microbatch_weights: Sequence[float] | None = None,
 ) -> SimulationResult:
     """Time a stream program with per-layer costs (see the module docstring for the cost model).
 
@@ -397,19 +412,29 @@ def simulate_program(
             overrides the bytes-based activation times.
         weight_grad_fraction: share (0..1) of ``backward_s`` that is the ``W`` op, for stages that
             have ``W`` ops (ZB-H1).
+        microbatch_weights: per microbatch, its size relative to the one ``profiles`` were measured
+            on (e.g. ``[3/(8/3), 3/(8/3), 2/(8/3)]`` for a batch of 8 cut into 3, mean 1): its
+            compute ops and activation transfers scale by it. ``None``: every microbatch weighs 1.
 
     Returns:
         A :class:`SimulationResult` of the whole program (``iteration_s``: the last op's end, s).
 
     Raises:
         TypeError: ``program`` is not a :class:`StreamProgram`, or ``profiles`` holds something else.
-        ValueError: ``profiles`` does not cover the plan's layers, a bad ``comm_s_per_hop`` or
-            ``weight_grad_fraction``, or a program that deadlocks.
+        ValueError: ``profiles`` does not cover the plan's layers, a bad ``comm_s_per_hop``,
+            ``weight_grad_fraction`` or ``microbatch_weights`` (one finite number >= 0 per
+            microbatch), or a program that deadlocks.
     """
     if not isinstance(program, StreamProgram):
         raise TypeError(f"`program` must be a StreamProgram (from `lower(plan)`), got {type(program).__name__}.")
     profiles = _check_inputs(program.plan, profiles, comm_s_per_hop, weight_grad_fraction)
-    run = _run_program(program, profiles, hardware, comm_s_per_hop, weight_grad_fraction)
+    if microbatch_weights is not None:
+        weights = list(microbatch_weights)
+        if len(weights) != program.plan.num_microbatches or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < math.inf for w in weights):
+            raise ValueError(f"`microbatch_weights` must hold one finite number >= 0 per microbatch"
+                             f" ({program.plan.num_microbatches}), got {microbatch_weights!r}.")
+    run = _run_program(program, profiles, hardware, comm_s_per_hop, weight_grad_fraction, microbatch_weights)
     intervals = _intervals(run)
     wall = max((iv.end_s for iv in intervals), default=0.0)
     return _result(Timeline(program.num_devices, intervals, wall_s=wall), wall, 1)
