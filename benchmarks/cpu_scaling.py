@@ -20,7 +20,7 @@ Every figure is a ratio against a baseline run in the same process (DESIGN.md se
 
 Step times are medians over the measured steps (after warm-up and the profiled steps).
 
-Run: ``python benchmarks/cpu_scaling.py [--steps 4] [--only scaling,overhead,link,predicted]``.
+Run: ``python benchmarks/cpu_scaling.py [--steps 4] [--repeats 1] [--only scaling,overhead,link,predicted]``.
 """
 
 from __future__ import annotations
@@ -133,12 +133,18 @@ def _simulated_bound(two_engine, devices_one_engine) -> float:
 def scaling(args: argparse.Namespace) -> None:
     print("\n== 1. RoundPipe, 2 CPU virtual devices vs 1 (step time ratio; target >= 1.8x)")
     for m in (3, 8):
-        auto1, auto2 = run(args, roundpipe(m), 1), run(args, roundpipe(m), 2)
-        one, two = median(auto1.times), median(auto2.times)
-        bound = _simulated_bound(auto2.engine, auto1.engine)
-        print(f"num_microbatches={m}: (a) own automatic plans: 1 device {one:.3f} s/step ({_plan(auto1.engine)}),"
-              f" 2 devices {two:.3f} s/step ({_plan(auto2.engine)}): speed-up {one / two:.2f}x"
-              f" (simulator's bound {bound:.2f}x)")
+        ratios = []
+        for repeat in range(args.repeats):  # pairs run back to back: the machine's drift cancels in each ratio
+            auto1, auto2 = run(args, roundpipe(m), 1), run(args, roundpipe(m), 2)
+            one, two = median(auto1.times), median(auto2.times)
+            ratios.append(one / two)
+            bound = _simulated_bound(auto2.engine, auto1.engine)
+            print(f"num_microbatches={m}: (a) own automatic plans, pair {repeat + 1}/{args.repeats}: 1 device"
+                  f" {one:.3f} s/step ({_plan(auto1.engine)}), 2 devices {two:.3f} s/step ({_plan(auto2.engine)}):"
+                  f" speed-up {one / two:.2f}x (simulator's bound {bound:.2f}x)")
+        if args.repeats > 1:
+            print(f"num_microbatches={m}: (a) median speed-up over {args.repeats} pairs {median(ratios):.2f}x"
+                  f" (range {min(ratios):.2f}-{max(ratios):.2f}x)")
         engine = auto2.engine
         pinned = roundpipe(m, forward_stages=list(engine.partition.forward_stages),
                            backward_stages=list(engine.partition.backward_stages),
@@ -215,6 +221,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--warmup", type=int, default=4, help="steps dropped (warm-up and the 3 profiled steps)")
     p.add_argument("--steps", type=int, default=4, help="measured steps per run")
+    p.add_argument("--repeats", type=int, default=1, help="scaling (a): 1-device/2-device pairs per microbatch count")
     p.add_argument("--only", default="scaling,overhead,link,predicted")
     args = p.parse_args()
     print(f"model: Llama-shaped, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab};"

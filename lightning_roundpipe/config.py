@@ -219,8 +219,10 @@ class RoundPipeConfig:
             raise ValueError(f"`module` must be an attribute path of the LightningModule such as 'model' or"
                              f" 'backbone.lm', got {self.module!r}. HINT: None picks the one supported model it holds.")
         if self.partition not in PARTITION_MODES:
-            raise ValueError(f"`partition` must be one of {list(PARTITION_MODES)}, got {self.partition!r}."
-                             " HINT: pass explicit stages with `forward_stages=` and `backward_stages=`.")
+            near = self.partition.strip().lower() if isinstance(self.partition, str) else None
+            hint = (f"use {near!r} (lowercase, no spaces)" if near in PARTITION_MODES
+                    else "pass explicit stages with `forward_stages=` and `backward_stages=`")
+            raise ValueError(f"`partition` must be one of {list(PARTITION_MODES)}, got {self.partition!r}. HINT: {hint}.")
         if not _is_int(self.profile_steps) or self.profile_steps < 2:
             raise ValueError(f"`profile_steps` must be an int >= 2 (the first step is warm-up),"
                              f" got {self.profile_steps!r}. HINT: the default is 3.")

@@ -122,3 +122,25 @@ def test_whole_model_stage_in_rounds_keeps_parity(per_round):
         forward_stages=[range(0, num_layers)], backward_stages=[range(0, num_layers)])
     got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), data, strategy=strategy, devices=2, max_steps=3)
     assert max_diff(ref, got) <= 1e-5
+
+
+def test_describe_rounds():
+    from lightning_roundpipe.runtime.autopartition import describe_rounds
+
+    assert describe_rounds(None, 3) == "one round"
+    assert describe_rounds(4, 3) == "one round"  # a round of at most 4 holds all 3
+    assert describe_rounds(3, 3) == "one round"
+    assert describe_rounds(1, 3) == "rounds of 1 microbatch(es)"
+
+
+def test_fit_shorter_than_the_profiled_steps_warns():
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, profile_steps=3)
+    with pytest.warns(UserWarning, match=r"`max_steps=2` ends this fit before the `profile_steps=3`.*HINT"):
+        fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), strategy=strategy, devices=2, max_steps=2)
+
+
+@pytest.mark.parametrize("value,hint", [("Auto", "use 'auto'"), (" default", "use 'default'"),
+                                        ("balanced", "pass explicit stages with `forward_stages=`")])
+def test_partition_typo_gets_the_near_option(value, hint):
+    with pytest.raises(ValueError, match=f"`partition` must be one of.*HINT: {hint}"):
+        lightning_roundpipe.RoundPipeConfig(partition=value)

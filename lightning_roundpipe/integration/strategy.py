@@ -31,6 +31,7 @@ from lightning_roundpipe.integration.async_step import AsyncOptimizer
 from lightning_roundpipe.integration.precision import RoundPipePrecision
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.autopartition import describe_rounds
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES
 
 StageRanges = Sequence[range | tuple[int, int] | Sequence[int]]
@@ -292,7 +293,8 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         names = ", ".join(str(d) for d in devices)
         fused = "on" if self.fused_loss and seq.loss_key else "off"
         text = (f"RoundPipe: pipelining `{type(seq.target).__name__}` ({seq.family}, {len(seq)} layers) on"
-                f" {len(devices)} device(s) [{names}], {engine.num_microbatches} microbatches,"
+                f" {len(devices)} device(s) [{names}], {engine.num_microbatches} microbatches"
+                f" ({describe_rounds(engine.microbatches_per_round, engine.num_microbatches)}),"
                 f" precision {self.precision_plugin.precision}, optimizer {self.optimizer_mode!r}, fused loss {fused}\n"
                 + format_stage_table(engine.fused_stages if fused == "on" else engine.stages, seq.layer_names))
         if text != self._announced:
@@ -302,6 +304,12 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             self._announced_auto = True
             rank_zero_info(f"RoundPipe: partition=\"auto\": these stages run for {engine.auto_partition_after_steps}"
                            " profiled steps, then the stages are re-cut from the measured layer times.")
+            max_steps = getattr(getattr(self._lightning_module, "_trainer", None), "max_steps", -1)
+            if isinstance(max_steps, int) and 0 < max_steps < engine.auto_partition_after_steps:
+                rank_zero_warn(f"RoundPipe: `max_steps={max_steps}` ends this fit before the"
+                               f" `profile_steps={engine.auto_partition_after_steps}` profiled steps are over, so the"
+                               " stages are never re-cut. HINT: lower `profile_steps` (at least 2), or pass"
+                               " `partition=\"default\"` to keep the fixed partition without profiling.")
 
     def _warn_fused_once(self) -> None:
         if not self._warned_fused:

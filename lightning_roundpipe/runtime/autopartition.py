@@ -105,11 +105,19 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
         for i, candidate in enumerate(candidates):
             timed.append((simulated_step_s(engine, candidate, profiles, per_round), len(timed), i, per_round))
     best_s, _, best, per_round = min(timed)
-    rounds = "one round" if per_round is None else f"rounds of {per_round} microbatch(es)"
     engine.info(f"RoundPipe: simulated step of {len(candidates)} candidate partitions x"
                 f" {len(timed) // len(candidates)} microbatch-round options: {best_s * 1e3:.1f} .."
-                f" {max(t[0] for t in timed) * 1e3:.1f} ms; chose candidate {best} with {rounds} ({best_s * 1e3:.1f} ms)")
+                f" {max(t[0] for t in timed) * 1e3:.1f} ms; chose candidate {best} with"
+                f" {describe_rounds(per_round, engine._last_call[0])} (simulated step {best_s * 1e3:.1f} ms)")
     return PlanChoice(candidates[best], per_round, best_s)
+
+
+def describe_rounds(microbatches_per_round: int | None, num_microbatches: int) -> str:
+    """``"one round"`` or ``"rounds of P microbatch(es)"``: what a plan of ``num_microbatches`` runs
+    (a round size of ``M`` or more is one round)."""
+    if microbatches_per_round is None or microbatches_per_round >= num_microbatches:
+        return "one round"
+    return f"rounds of {microbatches_per_round} microbatch(es)"
 
 
 def simulated_step_s(engine: Any, partition: PartitionPlan, profiles: Sequence[LayerProfile],

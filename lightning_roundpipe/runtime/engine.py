@@ -22,8 +22,8 @@ from lightning_roundpipe.config import RoundPipeConfig
 from lightning_roundpipe.metrics.timeline import Timeline
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.autograd import attach
-from lightning_roundpipe.runtime.autopartition import (choose_partition, fused_stages, hardware_model,
-                                                      microbatch_weights, predict_step_s)
+from lightning_roundpipe.runtime.autopartition import (choose_partition, describe_rounds, fused_stages,
+                                                      hardware_model, microbatch_weights, predict_step_s)
 from lightning_roundpipe.runtime.backends import make_backends
 from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.memory import HostMemory, host_memory
@@ -559,10 +559,10 @@ class RoundPipeEngine:
             f"  stage {s.stage_index:3d} {s.kind:8s} layers {s.layers.start}..{s.layers.stop - 1}"
             f"  cost {s.cost_s * 1e3:9.3f} ms  params {s.param_bytes / 2**20:9.2f} MiB"
             for s in describe_stages(new, profiles))
-        rounds = ("one round" if choice.microbatches_per_round is None
-                  else f"rounds of {choice.microbatches_per_round} microbatch(es)")
+        rounds = describe_rounds(choice.microbatches_per_round, self._last_call[0] if self._last_call else 1)
         self.info(f"RoundPipe: automatic partition from {prof.steps_seen - prof.skip_steps} measured steps"
-                  f" (objective {(new.objective_s or 0.0) * 1e3:.3f} ms), {rounds}:\n{rows}")
+                  f" (partitioner objective max(stages, devices) x largest stage cost per microbatch:"
+                  f" {(new.objective_s or 0.0) * 1e3:.3f} ms), {rounds}:\n{rows}")
         self.set_partition(new, choice.microbatches_per_round)
         return new
 
