@@ -571,13 +571,11 @@ class RoundPipeEngine:
         return hardware_model(self)
 
     def microbatch_weights(self, num_microbatches: int) -> list[float] | None:
-        """Relative microbatch sizes of the last training call
-        (:func:`~lightning_roundpipe.runtime.autopartition.microbatch_weights`)."""
+        """The last training call's relative microbatch sizes (:func:`.autopartition.microbatch_weights`)."""
         return microbatch_weights(self._last_sizes, num_microbatches)
 
     def predict_s(self, programs: Sequence[StreamProgram]) -> float | None:
-        """The simulator's time for one step's ``programs``, seconds, ``None`` before the profiled steps
-        are over (:func:`~lightning_roundpipe.runtime.autopartition.predict_step_s`)."""
+        """The simulator's time for one step's ``programs``, s (:func:`.autopartition.predict_step_s`)."""
         return predict_step_s(self, programs)
 
     def pop_step_programs(self) -> list[StreamProgram]:
