@@ -300,14 +300,12 @@ class RoundPipeEngine:
         plan = self._plans.get(key)
         if plan is None:
             stages = self.fused_stages if fused else self.stages
-            plan = self._plans[key] = self._build_plan(stages, num_microbatches, cursor)
+            plan = self._plans[key] = self._build_plan(stages, num_microbatches, cursor, self.microbatches_per_round)
         return plan
 
-    def _build_plan(self, stages, num_microbatches: int, cursor: int,
-                    microbatches_per_round: int | None | str = "keep") -> ExecutionPlan:
-        per_round = self.microbatches_per_round if microbatches_per_round == "keep" else microbatches_per_round
+    def _build_plan(self, stages, num_microbatches: int, cursor: int, microbatches_per_round: int | None) -> ExecutionPlan:
         return build_roundpipe_plan(stages, len(self.backends), num_microbatches, cursor,
-                                    microbatches_per_round=per_round)
+                                    microbatches_per_round=microbatches_per_round)
 
     def _lower(self, plan: ExecutionPlan) -> StreamProgram:
         return lower(plan, stage_weight_bytes=[self.store.stage_bytes(s.layers) for s in plan.stages],
