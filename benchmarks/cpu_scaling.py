@@ -11,6 +11,8 @@ Every figure is a ratio against a baseline run in the same process (DESIGN.md se
    stages, 1-layer backward stages, full recomputation) on both, the issue's "1 thread with the same
    recomputation". Beside (a), the simulator's bound: its best 2-device plan vs its best 1-device
    plan on the layer times measured in the 2-device run (no plan the builder can express beats it).
+   Where the 2-device choice cuts the batch into more microbatches (``balance_microbatches``: 3 into
+   4 on 2 devices), (a') is the 2-device run with the batch kept in ``num_microbatches``.
 2. RoundPipe on 1 virtual device vs plain Lightning training on 1 thread with the same per-layer
    recomputation (HF gradient checkpointing), same microbatch count 1 (target <= 1.05x).
 3. With ``cpu_link_bytes_per_s`` set so that a stage's weight upload takes about as long as its
@@ -115,18 +117,22 @@ def _predicted(timer: StepTimes) -> str:
 def _plan(engine) -> str:
     stages = engine.fused_stages
     rounds = "one round" if engine.microbatches_per_round is None else f"rounds of {engine.microbatches_per_round}"
-    return f"{len(stages)} stage(s) [{', '.join(f'{s.layers.start}..{s.layers.stop - 1}' for s in stages)}], {rounds}"
+    cut = f", the batch cut into {engine.split_num_microbatches} microbatches" if engine.split_num_microbatches else ""
+    return f"{len(stages)} stage(s) [{', '.join(f'{s.layers.start}..{s.layers.stop - 1}' for s in stages)}], {rounds}{cut}"
 
 
-def _simulated_bound(two_engine, devices_one_engine) -> float:
-    """The simulator's best 1-device plan over its best 2-device plan, both on the 2-device run's
-    measured layer times (transfers free, as unthrottled CPU copies are in its model)."""
-    from lightning_roundpipe.runtime.autopartition import choose_partition
+def _simulated_bound(two_engine, devices_one_engine, num_microbatches: int) -> float:
+    """The simulator's best 1-device plan over its best 2-device plan (with the 2-device choice's cut
+    of the batch), both on the 2-device run's measured layer times (transfers free, as unthrottled CPU
+    copies are in its model)."""
+    from lightning_roundpipe.runtime.autopartition import choose_partition, split_sizes
 
     profiles = two_engine.measured_profiles
     one = devices_one_engine
     one.info = lambda message: None
-    one._last_call, one._last_sizes = two_engine._last_call, two_engine._last_sizes
+    one._last_call = (num_microbatches, two_engine._last_call[1])
+    one._last_sizes = split_sizes(sum(two_engine._last_sizes), num_microbatches)
+    one._profiled_rows = two_engine._profiled_rows
     return choose_partition(one, profiles).simulated_s / two_engine.plan_choice.simulated_s
 
 
@@ -138,7 +144,7 @@ def scaling(args: argparse.Namespace) -> None:
             auto1, auto2 = run(args, roundpipe(m), 1), run(args, roundpipe(m), 2)
             one, two = median(auto1.times), median(auto2.times)
             ratios.append(one / two)
-            bound = _simulated_bound(auto2.engine, auto1.engine)
+            bound = _simulated_bound(auto2.engine, auto1.engine, m)
             print(f"num_microbatches={m}: (a) own automatic plans, pair {repeat + 1}/{args.repeats}: 1 device"
                   f" {one:.3f} s/step ({_plan(auto1.engine)}), 2 devices {two:.3f} s/step ({_plan(auto2.engine)}):"
                   f" speed-up {one / two:.2f}x (simulator's bound {bound:.2f}x)")
@@ -146,7 +152,11 @@ def scaling(args: argparse.Namespace) -> None:
             print(f"num_microbatches={m}: (a) median speed-up over {args.repeats} pairs {median(ratios):.2f}x"
                   f" (range {min(ratios):.2f}-{max(ratios):.2f}x)")
         engine = auto2.engine
-        pinned = roundpipe(m, forward_stages=list(engine.partition.forward_stages),
+        if engine.split_num_microbatches:
+            kept = median(run(args, roundpipe(m, balance_microbatches=False), 2).times)
+            print(f"num_microbatches={m}: (a') 2 devices with `balance_microbatches=False` (the batch kept in {m}"
+                  f" microbatches): {kept:.3f} s/step: speed-up {one / kept:.2f}x over the last 1-device run")
+        pinned = roundpipe(engine.split_num_microbatches or m, forward_stages=list(engine.partition.forward_stages),
                            backward_stages=list(engine.partition.backward_stages),
                            microbatches_per_round=engine.microbatches_per_round or m)
         same_run = run(args, pinned, 1)

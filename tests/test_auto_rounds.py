@@ -13,11 +13,15 @@ import math
 import pytest
 import torch
 
+import lightning
+
 import lightning_roundpipe
 from lightning_roundpipe.adapters import make_layer_sequence
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
-from lightning_roundpipe.runtime.autopartition import choose_partition, fused_stages, round_options, simulated_step_s
+from lightning_roundpipe.runtime import autopartition
+from lightning_roundpipe.runtime.autopartition import (choose_partition, fused_stages, round_options, simulated_step_s,
+                                                      split_options, split_sizes)
 from lightning_roundpipe.runtime.engine import RoundPipeEngine
 from lightning_roundpipe.schedule import build_roundpipe_plan
 from lightning_roundpipe.schedule.lower import lower
@@ -105,9 +109,11 @@ def test_microbatch_weights_scale_compute():
 def test_engine_microbatch_weights():
     engine, _ = _engine(2, 3, [3, 3, 2])
     assert engine.microbatch_weights(3) == pytest.approx([9 / 8, 9 / 8, 6 / 8])
-    assert engine.microbatch_weights(4) is None  # another shape than the last call's
+    assert engine.microbatch_weights(4) == pytest.approx([6 / 8] * 4)  # the same 8 rows cut into 4 of 2
     engine._last_sizes = [2, 2, 2]
     assert engine.microbatch_weights(3) is None
+    engine._profiled_rows = 3.0  # after profiling 3-row microbatches, 2-row ones weigh 2/3
+    assert engine.microbatch_weights(3) == pytest.approx([2 / 3] * 3)
 
 
 @pytest.mark.parametrize("per_round", [1, 2])
@@ -144,3 +150,141 @@ def test_fit_shorter_than_the_profiled_steps_warns():
 def test_partition_typo_gets_the_near_option(value, hint):
     with pytest.raises(ValueError, match=f"`partition` must be one of.*HINT: {hint}"):
         lightning_roundpipe.RoundPipeConfig(partition=value)
+
+
+# ---------------------------------------------------------------------- the batch cut into a multiple of the devices
+
+def test_split_sizes_match_the_runtime_split():
+    from lightning_roundpipe.runtime.microbatch import split_microbatches
+
+    for rows in range(1, 12):
+        for count in range(1, 9):
+            _, sizes = split_microbatches(torch.zeros(rows, 2), count)
+            assert split_sizes(rows, count) == sizes
+
+
+def test_split_options():
+    engine, _ = _engine(2, 3, [3, 3, 2], balance_microbatches=True)
+    assert split_options(engine, 3, 8) == [3, 4]  # the configured count first, then the next multiple of 2
+    assert split_options(engine, 8, 8) == [8]  # already a multiple
+    assert split_options(engine, 3, 3) == [3]  # a microbatch needs a row
+    engine4, _ = _engine(4, 3, [3, 3, 2], balance_microbatches=True)
+    assert split_options(engine4, 5, 8) == [5, 8]
+    assert split_options(engine4, 5, 6) == [5, 6]
+    for kw, devices in (({"balance_microbatches": False}, 2), ({"balance_microbatches": True}, 1),
+                        ({"balance_microbatches": True, "microbatches_per_round": 1}, 2)):
+        other, _ = _engine(devices, 3, [3, 3, 2], **kw)
+        assert split_options(other, 3, 8) == [3]
+    random_layers = RoundPipeEngine(make_layer_sequence(tiny_hf(dropout=0.1)), [torch.device("cpu")] * 2, 3,
+                                    auto_partition_after_steps=2, balance_microbatches=True)
+    _OPEN.append(random_layers)
+    assert split_options(random_layers, 3, 8) == [3]  # dropout masks are per microbatch
+
+
+def test_eight_rows_in_three_microbatches_run_as_four_on_two_devices():
+    """8 rows, 3 microbatches (3, 3, 2), 2 devices, profiled at 8/3 rows per microbatch: the best the
+    configured cut allows is 5 rows on one device (rounds of 1, whole model: 5/(8/3) microbatch-times);
+    cut into 4 microbatches of 2 rows, rounds of 2 give each device 4 rows: 4/(8/3) = 1.5."""
+    engine, profiles = _engine(2, 3, [3, 3, 2], balance_microbatches=True)
+    engine._profiled_rows = 8 / 3
+    per_microbatch = 3 * len(profiles)  # s at the profiled size, whole model, nothing recomputed
+    choice = choose_partition(engine, profiles)
+    assert choice.num_microbatches == 4
+    assert choice.partition.forward_stages == (range(0, len(profiles)),)
+    assert choice.simulated_s == pytest.approx(4 / (8 / 3) * per_microbatch)
+    kept, profiles = _engine(2, 3, [3, 3, 2], balance_microbatches=False)
+    kept._profiled_rows = 8 / 3
+    assert choose_partition(kept, profiles).num_microbatches is None
+
+
+@pytest.mark.parametrize("finer_s,chosen", [(0.99, None), (0.97, 4)])
+def test_finer_cut_needs_the_margin(monkeypatch, finer_s, chosen):
+    """The finer cut is taken only when the simulator times it at least 2 % faster (BALANCE_MARGIN)."""
+    engine, profiles = _engine(2, 3, [3, 3, 2], balance_microbatches=True)
+    monkeypatch.setattr(autopartition, "simulated_step_s",
+                        lambda engine, candidate, profiles, per_round, count: 1.0 if count == 3 else finer_s)
+    assert autopartition.BALANCE_MARGIN == 0.02
+    assert choose_partition(engine, profiles).num_microbatches == chosen
+
+
+class _Counts(lightning.Callback):
+    """Records the microbatches of every training batch; with ``cut_into``, makes the engine cut every
+    batch into that many from the first step on."""
+
+    def __init__(self, cut_into: int | None = None) -> None:
+        self.cut_into, self.seen = cut_into, []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.cut_into is not None:
+            trainer.strategy.engine.split_num_microbatches = self.cut_into
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.seen.append(trainer.strategy.engine._last_call[0])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_finer_cut_keeps_parity(fused):
+    """7 rows cut into 4 microbatches (2, 2, 2, 1) instead of 3 train exactly like the default strategy
+    on the fused and on the transparent path (the loss is normalised by the whole batch)."""
+    data = TokenData()
+    ref = fit_params(lambda: CausalLMModule(tiny_hf("llama")), data, max_steps=3)
+    counts = _Counts(cut_into=4)
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, fused_loss=fused, partition="default")
+    got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), data, strategy=strategy, devices=2, max_steps=3,
+                     callbacks=[counts])
+    assert counts.seen == [4, 4, 4]
+    assert max_diff(ref, got) <= 1e-5
+
+
+def test_fit_cuts_three_microbatches_into_four_on_two_devices():
+    """What a user gets: `num_microbatches=3` on 2 CPU virtual devices, batches of 8. After the profiled
+    steps the automatic choice cuts the batch into 4 (transfers are free here, so the whole model in
+    rounds of 2 halves the 1-device step, which the 3-microbatch cut cannot: 5 rows vs 3), and the run
+    keeps parity; with `balance_microbatches=False` it keeps 3."""
+    data = TokenData()
+    ref = fit_params(lambda: CausalLMModule(tiny_hf("llama")), data, max_steps=4, batch_size=8)
+    for balance, expected in ((True, [3, 3, 4, 4]), (False, [3, 3, 3, 3])):
+        counts = _Counts()
+        strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, profile_steps=2,
+                                                         balance_microbatches=balance)
+        got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), data, strategy=strategy, devices=2, max_steps=4,
+                         batch_size=8, callbacks=[counts])
+        assert counts.seen == expected
+        assert max_diff(ref, got) <= 1e-5
+
+
+# ---------------------------------------------------------------------- the choice in checkpoints
+
+def _fit_resumable(tmp, max_steps: int, devices: int = 2, ckpt_path=None, save: bool = False):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from _helpers import loader, params, trainer
+
+    module = CausalLMModule(tiny_hf("llama"))
+    counts = _Counts()
+    callbacks = [counts] + ([ModelCheckpoint(dirpath=tmp, save_last=True)] if save else [])
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, profile_steps=2)
+    fit = trainer(strategy, devices, max_steps=max_steps, enable_checkpointing=save, callbacks=callbacks)
+    # one batch of 8 rows per epoch: a resumed epoch restarts its dataloader, so every step sees the same batch
+    fit.fit(module, loader(TokenData(n=8), 8), ckpt_path=ckpt_path)
+    return params(module), counts.seen
+
+
+def test_resume_goes_on_with_the_chosen_cut(tmp_path):
+    """A checkpoint keeps the profiling progress and the automatic choice (plain values): resumed
+    before the choice (step 1) or after it (step 3), the run cuts the batch as the straight run does
+    and ends bitwise equal; on another device count the choice is not kept (it profiles again)."""
+    import torch
+
+    straight, seen = _fit_resumable(tmp_path / "a", 5)
+    assert seen == [3, 3, 4, 4, 4]
+    for saved_at in (1, 3):
+        folder = tmp_path / f"saved{saved_at}"
+        _fit_resumable(folder, saved_at, save=True)
+        state = torch.load(folder / "last.ckpt", weights_only=True)["roundpipe_plan"]
+        assert (state.get("choice") or {}).get("num_microbatches") == (4 if saved_at == 3 else None)
+        resumed, seen = _fit_resumable(tmp_path / f"resumed{saved_at}", 5, ckpt_path=folder / "last.ckpt")
+        assert seen == [3, 3, 4, 4, 4][saved_at:]
+        assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    _, seen = _fit_resumable(tmp_path / "three", 5, devices=3, ckpt_path=tmp_path / "saved3" / "last.ckpt")
+    assert seen == [3, 3]  # 3 devices: profiled again from the resumed step 4 (steps 4 and 5 on 3 microbatches)

@@ -18,7 +18,6 @@ from typing import Any, Sequence
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -32,6 +31,7 @@ from lightning_roundpipe.integration.precision import RoundPipePrecision
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.engine import RoundPipeEngine
 from lightning_roundpipe.runtime.autopartition import describe_rounds
+from lightning_roundpipe.runtime.plan_state import CHECKPOINT_KEY, plan_state, restore_plan_state
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES
 
 StageRanges = Sequence[range | tuple[int, int] | Sequence[int]]
@@ -80,14 +80,15 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
 
     Args:
         num_microbatches, module, partition, profile_steps, fused_loss, forward_stages,
-            backward_stages, chunk_bytes, microbatches_per_round, cpu_link_bytes_per_s,
+            backward_stages, chunk_bytes, microbatches_per_round, balance_microbatches, cpu_link_bytes_per_s,
             debug_copy_delay_s, device_memory_bytes, optimizer, trace_every_n_steps, peak_flops, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
             (type, unit, default and meaning are documented there), gathered into :attr:`config`. In
             short: ``num_microbatches`` (default devices + 1), ``module`` (the attribute to pipeline),
             ``partition`` (``"auto"``: re-cut from ``profile_steps`` profiled steps), ``fused_loss``
             (a training call with ``labels`` runs the whole step inside the forward and returns the
             loss only), explicit ``forward_stages``/``backward_stages``, ``chunk_bytes`` (weight
-            upload chunk), ``microbatches_per_round``, ``cpu_link_bytes_per_s`` and
+            upload chunk), ``microbatches_per_round``, ``balance_microbatches`` (the automatic choice
+            may cut the batch into a multiple of the devices), ``cpu_link_bytes_per_s`` and
             ``debug_copy_delay_s`` (CPU virtual devices), ``device_memory_bytes`` (one device's memory,
             enforced on CPU virtual devices), ``optimizer`` (``"sync"`` or ``"async"``,
             see *Asynchronous optimizer* below), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
@@ -160,6 +161,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         backward_stages: StageRanges | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         microbatches_per_round: int | None = None,
+        balance_microbatches: bool = True,
         cpu_link_bytes_per_s: float | None = None,
         debug_copy_delay_s: float = 0.0,
         device_memory_bytes: int | None = None,
@@ -177,7 +179,8 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         given = {"num_microbatches": num_microbatches, "module": module, "partition": partition,
                  "profile_steps": profile_steps, "fused_loss": fused_loss, "forward_stages": forward_stages,
                  "backward_stages": backward_stages, "chunk_bytes": chunk_bytes,
-                 "microbatches_per_round": microbatches_per_round, "cpu_link_bytes_per_s": cpu_link_bytes_per_s,
+                 "microbatches_per_round": microbatches_per_round, "balance_microbatches": balance_microbatches,
+                 "cpu_link_bytes_per_s": cpu_link_bytes_per_s,
                  "debug_copy_delay_s": debug_copy_delay_s,
                  "device_memory_bytes": device_memory_bytes, "optimizer": optimizer,
                  "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops,
@@ -196,6 +199,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         self._announced: str | None = None
         self._announced_auto = False
         self._warned_fused = False
+        self._restored_plan: dict[str, Any] | None = None  # the checkpoint's engine state (load_checkpoint)
 
     # ------------------------------------------------------------------ the config's fields (read-only)
     num_microbatches = property(lambda self: self.config.num_microbatches, doc="`RoundPipeConfig.num_microbatches`.")
@@ -205,6 +209,8 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     chunk_bytes = property(lambda self: self.config.chunk_bytes, doc="`RoundPipeConfig.chunk_bytes`.")
     microbatches_per_round = property(lambda self: self.config.microbatches_per_round,
                                       doc="`RoundPipeConfig.microbatches_per_round`.")
+    balance_microbatches = property(lambda self: self.config.balance_microbatches,
+                                    doc="`RoundPipeConfig.balance_microbatches`.")
     cpu_link_bytes_per_s = property(lambda self: self.config.cpu_link_bytes_per_s,
                                     doc="`RoundPipeConfig.cpu_link_bytes_per_s`.")
     debug_copy_delay_s = property(lambda self: self.config.debug_copy_delay_s, doc="`RoundPipeConfig.debug_copy_delay_s`.")
@@ -266,6 +272,8 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         self.engine.on_fused_call = self._warn_fused_once
         self.engine.host_barrier = self.wait_for_optimizer
         self.engine.install()
+        if fitting:
+            restore_plan_state(self.engine, self._restored_plan)  # resuming (`ckpt_path`): Lightning loads it first
         self._announce(seq, devices, fitting)
         if fitting and self.optimizer_mode == "async":
             self._async = AsyncOptimizer()
@@ -395,8 +403,21 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Also keeps the engine's profiling progress and automatic choice (plain values) under
+        ``"roundpipe_plan"``, so a resumed fit goes on with the plan of the straight run."""
         self.wait_for_optimizer()
+        state = None if self.engine is None else plan_state(self.engine)
+        if state is not None:
+            checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._restored_plan = checkpoint.get(CHECKPOINT_KEY)
+        if self.engine is not None:
+            restore_plan_state(self.engine, self._restored_plan)
+        return checkpoint
 
     @override
     def on_train_end(self) -> None:

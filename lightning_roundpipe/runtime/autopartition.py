@@ -34,11 +34,47 @@ class PlanChoice:
         microbatches_per_round: the microbatch rounds the plan is built with (``None``: one round).
         simulated_s: the simulator's time of one step of the last call's shape, seconds (``None``
             when nothing was timed: no call seen yet).
+        num_microbatches: microbatches the batch is cut into from now on, when the choice cuts it
+            into more than the configured count (:func:`split_options`); ``None``: the configured count.
     """
 
     partition: PartitionPlan
     microbatches_per_round: int | None
     simulated_s: float | None = None
+    num_microbatches: int | None = None
+
+
+BALANCE_MARGIN = 0.02
+"""A finer cut of the batch (:func:`split_options`) is taken only when the simulator times it at
+least this much (a fraction of the step) faster than the best plan on the configured microbatches."""
+
+
+def split_options(engine: Any, num_microbatches: int, rows: int) -> list[int]:
+    """Microbatch counts the automatic choice may cut a batch of ``rows`` rows into: the configured
+    ``M`` first and, with ``balance_microbatches`` on, the next multiple of the D devices,
+    ``min(rows, ceil(M / D) * D)``, where that is more.
+
+    Why: with the whole model as one stage, or any plan whose last round holds fewer microbatches
+    than devices, ``M`` not a multiple of ``D`` leaves devices idle (8 rows in 3 microbatches of
+    3, 3, 2 on 2 devices: at best 5 rows on one device, 3 on the other); 4 microbatches of 2 rows give
+    each device 4. A finer cut never puts more rows in a microbatch (activation memory per microbatch
+    only shrinks), and the loss is normalised by the whole batch, so the gradient is the same up to
+    rounding. Not offered with one device, with ``microbatches_per_round`` set by the user, for a
+    routing model (its load-balancing statistics are per microbatch) or for a model with random
+    layers (dropout masks are drawn per (layer, microbatch): a cut that depends on the device count
+    would make a run depend on it).
+    """
+    from lightning_roundpipe.runtime.rng import rng_layers
+
+    devices = len(engine.backends)
+    out = [num_microbatches]
+    if (not engine.balance_microbatches or engine.rounds_pinned or devices == 1 or engine.seq.routing is not None
+            or rng_layers(engine.seq)):
+        return out
+    finer = min(rows, math.ceil(num_microbatches / devices) * devices)
+    if finer > num_microbatches:
+        out.append(finer)
+    return out
 
 
 def round_options(engine: Any, num_microbatches: int) -> list[int | None]:
@@ -100,16 +136,24 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
     if fits(whole, whole):
         candidates.append(PartitionPlan(whole, whole, plan_objective_s(PartitionPlan(whole, whole), profiles,
                                                                         len(engine.backends))))
+    counts = split_options(engine, engine._last_call[0], sum(engine._last_sizes))
     timed = []
-    for per_round in round_options(engine, engine._last_call[0]):
-        for i, candidate in enumerate(candidates):
-            timed.append((simulated_step_s(engine, candidate, profiles, per_round), len(timed), i, per_round))
-    best_s, _, best, per_round = min(timed)
+    for count in counts:
+        for per_round in round_options(engine, count):
+            for i, candidate in enumerate(candidates):
+                timed.append((simulated_step_s(engine, candidate, profiles, per_round, count), len(timed), i,
+                              per_round, count))
+    best = min(t for t in timed if t[4] == counts[0])
+    finer = [t for t in timed if t[4] != counts[0]]
+    if finer and min(finer)[0] < (1 - BALANCE_MARGIN) * best[0]:
+        best = min(finer)
+    best_s, _, index, per_round, count = best
+    cut = "" if count == counts[0] else f", the batch cut into {count} microbatches instead of {counts[0]}"
     engine.info(f"RoundPipe: simulated step of {len(candidates)} candidate partitions x"
-                f" {len(timed) // len(candidates)} microbatch-round options: {best_s * 1e3:.1f} .."
-                f" {max(t[0] for t in timed) * 1e3:.1f} ms; chose candidate {best} with"
-                f" {describe_rounds(per_round, engine._last_call[0])} (simulated step {best_s * 1e3:.1f} ms)")
-    return PlanChoice(candidates[best], per_round, best_s)
+                f" {len(timed) // len(candidates)} microbatch options: {best_s * 1e3:.1f} .."
+                f" {max(t[0] for t in timed) * 1e3:.1f} ms; chose candidate {index} with"
+                f" {describe_rounds(per_round, count)}{cut} (simulated step {best_s * 1e3:.1f} ms)")
+    return PlanChoice(candidates[index], per_round, best_s, None if count == counts[0] else count)
 
 
 def describe_rounds(microbatches_per_round: int | None, num_microbatches: int) -> str:
@@ -120,13 +164,34 @@ def describe_rounds(microbatches_per_round: int | None, num_microbatches: int) -
     return f"rounds of {microbatches_per_round} microbatch(es)"
 
 
+def describe_choice(engine: Any, choice: PlanChoice, profiles: Sequence[LayerProfile], measured_steps: int) -> str:
+    """The line the engine reports when it switches to ``choice``: the partitioner objective, the
+    rounds and the cut of the batch as run, and the stage table."""
+    from lightning_roundpipe.partition import describe_stages
+
+    new = choice.partition
+    rows = "\n".join(
+        f"  stage {s.stage_index:3d} {s.kind:8s} layers {s.layers.start}..{s.layers.stop - 1}"
+        f"  cost {s.cost_s * 1e3:9.3f} ms  params {s.param_bytes / 2**20:9.2f} MiB"
+        for s in describe_stages(new, profiles))
+    count = choice.num_microbatches or (engine._last_call[0] if engine._last_call else 1)
+    cut = (f", the batch cut into {choice.num_microbatches} microbatches instead of {engine.num_microbatches}"
+           f" (a multiple of the {len(engine.backends)} devices; `balance_microbatches=False` keeps"
+           f" {engine.num_microbatches})" if choice.num_microbatches else "")
+    return (f"RoundPipe: automatic partition from {measured_steps} measured steps (partitioner objective"
+            f" max(stages, devices) x largest stage cost per microbatch: {(new.objective_s or 0.0) * 1e3:.3f} ms),"
+            f" {describe_rounds(choice.microbatches_per_round, count)}{cut}:\n{rows}")
+
+
 def simulated_step_s(engine: Any, partition: PartitionPlan, profiles: Sequence[LayerProfile],
-                     microbatches_per_round: int | None = None) -> float:
-    """Simulated time of one step of the last call's shape (microbatches, fused or not) under
-    ``partition`` with ``microbatches_per_round``, seconds."""
+                     microbatches_per_round: int | None = None, num_microbatches: int | None = None) -> float:
+    """Simulated time of one step of the last call's shape (rows, fused or not) under ``partition``
+    with ``microbatches_per_round``, seconds; the batch cut into ``num_microbatches`` (``None``: as
+    the last call was)."""
     from lightning_roundpipe.simulate import simulate_program
 
-    num_microbatches, fused = engine._last_call
+    last, fused = engine._last_call
+    num_microbatches = last if num_microbatches is None else num_microbatches
     if fused:
         plans = [engine._build_plan(fused_stages(partition), num_microbatches, 0, microbatches_per_round)]
     else:
@@ -153,14 +218,27 @@ def hardware_model(engine: Any):
     return HardwareModel(flops_per_s=1.0, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, h2d_duplex_bytes_per_s=h2d)
 
 
-def microbatch_weights(sizes: Sequence[int], num_microbatches: int) -> list[float] | None:
-    """Rows of each microbatch relative to their mean (a batch of 8 in 3 microbatches:
-    ``[1.125, 1.125, 0.75]``), the simulator's ``microbatch_weights``; ``None`` when they are equal or
-    ``sizes`` is of another microbatch count."""
-    if len(sizes) != num_microbatches or len(set(sizes)) <= 1:
+def split_sizes(rows: int, num_microbatches: int) -> list[int]:
+    """Rows of each microbatch when ``rows`` are cut into ``num_microbatches`` (at most ``rows``), as
+    :func:`~lightning_roundpipe.runtime.microbatch.split_microbatches` cuts them: larger first."""
+    count = max(1, min(num_microbatches, rows))
+    return [rows // count + (1 if i < rows % count else 0) for i in range(count)]
+
+
+def microbatch_weights(sizes: Sequence[int], num_microbatches: int,
+                       rows_per_microbatch: float | None = None) -> list[float] | None:
+    """The simulator's ``microbatch_weights``: the rows of ``sizes`` (a call's microbatches) cut into
+    ``num_microbatches`` (as ``sizes`` when of that count), each relative to ``rows_per_microbatch``,
+    the profiled steps' mean microbatch (the measured layer times are per microbatch of that size;
+    ``None``: the mean of ``sizes``). 8 rows in 3 microbatches, profiled so: ``[1.125, 1.125, 0.75]``;
+    cut into 4: ``[0.75] * 4``. ``None`` when every weight is 1 or ``sizes`` is empty."""
+    if not sizes:
         return None
-    mean = sum(sizes) / len(sizes)
-    return [size / mean for size in sizes]
+    reference = rows_per_microbatch or sum(sizes) / len(sizes)
+    if len(sizes) != num_microbatches:
+        sizes = split_sizes(sum(sizes), num_microbatches)
+    weights = [size / reference for size in sizes]
+    return None if all(abs(w - 1.0) < 1e-12 for w in weights) else weights
 
 
 def predict_step_s(engine: Any, programs: Sequence[Any]) -> float | None:

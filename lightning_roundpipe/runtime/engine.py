@@ -22,8 +22,8 @@ from lightning_roundpipe.config import RoundPipeConfig
 from lightning_roundpipe.metrics.timeline import Timeline
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.autograd import attach
-from lightning_roundpipe.runtime.autopartition import (choose_partition, describe_rounds, fused_stages,
-                                                      hardware_model, microbatch_weights, predict_step_s)
+from lightning_roundpipe.runtime.autopartition import (choose_partition, describe_choice, fused_stages, hardware_model,
+                                                      microbatch_weights, predict_step_s)
 from lightning_roundpipe.runtime.backends import make_backends
 from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.memory import HostMemory, host_memory
@@ -85,6 +85,10 @@ class RoundPipeEngine:
             > 0) the fused tail seeds its loss's backward with on the devices, e.g. the current
             loss scale under fp16 so device gradients do not underflow; the CPU gradient buffers
             are divided by it again when the returned loss's backward scales them. ``None``: 1.0.
+        balance_microbatches: with ``auto_partition_after_steps``, the automatic choice may also cut
+            the batch into the next multiple of the device count of microbatches
+            (:func:`~lightning_roundpipe.runtime.autopartition.split_options`); ``False``: always
+            ``num_microbatches``.
 
     Raises:
         ValueError: for an empty device list, ``num_microbatches < 1``, a partition that does not
@@ -98,7 +102,7 @@ class RoundPipeEngine:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, microbatches_per_round: int | None = None,
                  cpu_link_bytes_per_s: float | None = None, debug_copy_delay_s: float = 0.0,
                  profile_steps: int | None = None, loss_seed: Callable[[], float] | None = None,
-                 device_memory_bytes: int | None = None) -> None:
+                 device_memory_bytes: int | None = None, balance_microbatches: bool = False) -> None:
         if not devices:
             raise ValueError("`devices` is empty: RoundPipe needs at least one device.")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -113,6 +117,8 @@ class RoundPipeEngine:
         self.chunk_bytes = chunk_bytes
         self.microbatches_per_round = microbatches_per_round
         self.rounds_pinned = microbatches_per_round is not None  # the automatic choice keeps them
+        self.balance_microbatches = balance_microbatches
+        self.split_num_microbatches: int | None = None  # the automatic choice's finer cut of the batch, if any
         self.cpu_link_bytes_per_s = cpu_link_bytes_per_s
         self.backends = make_backends(self.devices, cpu_link_bytes_per_s, debug_copy_delay_s, device_memory_bytes)
         self.device_memory_bytes = device_memory_bytes
@@ -136,6 +142,7 @@ class RoundPipeEngine:
         self.measured_profiles = None
         self._last_call: tuple[int, bool] | None = None  # (microbatches, fused) of the last training call
         self._last_sizes: list[int] = []  # rows of each microbatch of the last training call
+        self._profiled_rows: float | None = None  # mean rows per microbatch of the profiled steps
         self.plan_choice = None  # the automatic choice (autopartition.PlanChoice), once made
         self._predictions: dict[int, tuple[StreamProgram, float]] = {}
         self.grad_barrier: Callable[[], None] | None = None
@@ -190,7 +197,8 @@ class RoundPipeEngine:
                    chunk_bytes=config.chunk_bytes, microbatches_per_round=config.microbatches_per_round,
                    cpu_link_bytes_per_s=config.cpu_link_bytes_per_s, debug_copy_delay_s=config.debug_copy_delay_s,
                    device_memory_bytes=config.device_memory_bytes,
-                   profile_steps=config.profile_steps if fitting else None, loss_seed=loss_seed)
+                   profile_steps=config.profile_steps if fitting else None, loss_seed=loss_seed,
+                   balance_microbatches=config.balance_microbatches)
 
     def pop_device_memory_peaks(self) -> list[int] | None:
         """Per CPU virtual device, the most bytes live at once (weights, activations, op outputs)
@@ -359,7 +367,7 @@ class RoundPipeEngine:
                          if grad_enabled and isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
         grad_inputs = [flat[i] for i in grad_pos]
         carry = pytree.tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], carry_spec)
-        mbs, sizes = split_microbatches(carry, self.num_microbatches)
+        mbs, sizes = split_microbatches(carry, self.split_num_microbatches or self.num_microbatches)
         m = len(mbs)
         if m < self.num_microbatches and not self._warned_small_batch:
             self._warned_small_batch = True
@@ -545,23 +553,15 @@ class RoundPipeEngine:
         self.measured_profiles = profiles
         if self.auto_partition_after_steps is None:
             return None
+        self._profiled_rows = sum(self._last_sizes) / max(1, len(self._last_sizes))
         choice = self.plan_choice = choose_partition(self, profiles)
         new = choice.partition
-        same_stages = (new.forward_stages, new.backward_stages) == (self.partition.forward_stages,
-                                                                    self.partition.backward_stages)
-        if same_stages and choice.microbatches_per_round == self.microbatches_per_round:
+        if ((new.forward_stages, new.backward_stages) == (self.partition.forward_stages, self.partition.backward_stages)
+                and choice.microbatches_per_round == self.microbatches_per_round and choice.num_microbatches is None):
             return new
-        from lightning_roundpipe.partition import describe_stages
-
-        rows = "\n".join(
-            f"  stage {s.stage_index:3d} {s.kind:8s} layers {s.layers.start}..{s.layers.stop - 1}"
-            f"  cost {s.cost_s * 1e3:9.3f} ms  params {s.param_bytes / 2**20:9.2f} MiB"
-            for s in describe_stages(new, profiles))
-        rounds = describe_rounds(choice.microbatches_per_round, self._last_call[0] if self._last_call else 1)
-        self.info(f"RoundPipe: automatic partition from {prof.steps_seen - prof.skip_steps} measured steps"
-                  f" (partitioner objective max(stages, devices) x largest stage cost per microbatch:"
-                  f" {(new.objective_s or 0.0) * 1e3:.3f} ms), {rounds}:\n{rows}")
+        self.info(describe_choice(self, choice, profiles, prof.steps_seen - prof.skip_steps))
         self.set_partition(new, choice.microbatches_per_round)
+        self.split_num_microbatches = choice.num_microbatches
         return new
 
     def hardware_model(self):
@@ -569,8 +569,9 @@ class RoundPipeEngine:
         return hardware_model(self)
 
     def microbatch_weights(self, num_microbatches: int) -> list[float] | None:
-        """The last training call's relative microbatch sizes (:func:`.autopartition.microbatch_weights`)."""
-        return microbatch_weights(self._last_sizes, num_microbatches)
+        """The last call's rows cut into ``num_microbatches``, relative to the profiled microbatch
+        (:func:`.autopartition.microbatch_weights`)."""
+        return microbatch_weights(self._last_sizes, num_microbatches, self._profiled_rows)
 
     def predict_s(self, programs: Sequence[StreamProgram]) -> float | None:
         """The simulator's time for one step's ``programs``, s (:func:`.autopartition.predict_step_s`)."""
