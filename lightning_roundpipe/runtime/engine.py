@@ -556,7 +556,7 @@ class RoundPipeEngine:
         rows = "\n".join(
             f"  stage {s.stage_index:3d} {s.kind:8s} layers {s.layers.start}..{s.layers.stop - 1}"
             f"  cost {s.cost_s * 1e3:9.3f} ms  params {s.param_bytes / 2**20:9.2f} MiB"
-            for s in describe_stages(new, profiles))
+            for s in describe_stages(new, profiles, shared_weights=self.store.shared_weights()))
         rounds = describe_rounds(choice.microbatches_per_round, self._last_call[0] if self._last_call else 1)
         self.info(f"RoundPipe: automatic partition from {prof.steps_seen - prof.skip_steps} measured steps"
                   f" (partitioner objective max(stages, devices) x largest stage cost per microbatch:"
