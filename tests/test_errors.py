@@ -156,6 +156,18 @@ def test_bad_partition_is_reported():
         trainer(strategy, devices=2, max_steps=1).fit(MLPModule(), loader(VectorData()))
 
 
+def test_ascending_backward_stages_are_quoted_as_given():
+    """Backward stages run tail first; an ascending list is refused, quoting the user's own list (not the
+    reversed one the check walks) and saying which order works."""
+    strategy = lightning_roundpipe.RoundPipeStrategy(forward_stages=[(0, 3), (3, 7)], backward_stages=[(0, 3), (3, 7)])
+    with pytest.raises(ValueError) as err:
+        trainer(strategy, devices=2, max_steps=1).fit(MLPModule(), loader(VectorData()))
+    msg = str(err.value)
+    assert "`backward_stages`" in msg and "(reversed)" not in msg
+    assert "got [range(0, 3), range(3, 7)]" in msg
+    assert "HINT:" in msg and "`backward_stages=[range(3, 7), range(0, 3)]`" in msg
+
+
 @pytest.mark.parametrize("precision", ["transformer-engine", "transformer-engine-float16", "8-mixed"])
 def test_unsupported_precision(precision):
     # Lightning builds no plugin RoundPipe could wrap for these (transformer-engine needs its package)

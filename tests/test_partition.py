@@ -228,6 +228,18 @@ def test_plan_feeds_the_round_robin_schedule(num_layers, devices):
     assert eplan.backward_stages[0].fused and eplan.backward_stages[0].layers == plan.backward_stages[0]
 
 
+@pytest.mark.parametrize("backward,entry", [
+    ((range(0, 3), range(3, 5)), 1),  # ascending: the user's list is quoted, not its reverse
+    ((range(3, 5), range(1, 3)), 1),  # a gap
+])
+def test_validate_quotes_backward_stages_as_given(backward, entry):
+    with pytest.raises(ValueError) as err:
+        PartitionPlan((range(0, 3), range(3, 5)), backward).validate(5)
+    msg = str(err.value)
+    assert f"got {list(backward)!r}" in msg and f"entry {entry} " in msg
+    assert "descending order" in msg and "HINT:" in msg
+
+
 def test_schedule_ranges_rejects_foreign_plans():
     with pytest.raises(ValueError, match="fused tail"):
         schedule_ranges(PartitionPlan((range(0, 2),), (range(1, 2), range(0, 1))))

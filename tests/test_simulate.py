@@ -494,6 +494,28 @@ def test_cli_marks_unbuildable_rows_na(tmp_path, capsys):
     assert "warning" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name,hint", [("nope", "leave it out to use the first row ('tiny')"),
+                                       ("TINY", "did you mean 'tiny'?")])
+def test_cli_checks_plot_model_before_simulating(tmp_path, capsys, monkeypatch, name, hint):
+    """A `--plot-model` not in the timings is refused up front: nothing simulated, no table printed,
+    nothing written; the error lists the models."""
+    import lightning_roundpipe.cli.simulate_cmd as simulate_cmd
+
+    def no_simulation(*args, **kwargs):
+        raise AssertionError("the bubble table was simulated before --plot-model was checked")
+
+    monkeypatch.setattr(simulate_cmd, "bubble_table", no_simulation)
+    p = tmp_path / "t.csv"
+    p.write_text(SMALL_CSV + "other,4,1.0,2.0,1.5,3.0,0.1\n")
+    png, trace = tmp_path / "x.png", tmp_path / "x.json"
+    rc, out = _run_cli("--layer-timings", str(p), "--devices", "2", "--microbatches", "4", "--plot", str(png),
+                       "--trace", str(trace), "--plot-model", name)
+    err = capsys.readouterr().err
+    assert rc == 2 and out == "" and not png.exists() and not trace.exists()
+    assert err.startswith("roundpipe simulate: error: `--plot-model` must be one of the models of t.csv:")
+    assert "['tiny', 'other']" in err and repr(name) in err and f"HINT: {hint}" in err
+
+
 def test_cli_bad_input_exits_2(tmp_path, capsys):
     rc, _ = _run_cli("--layer-timings", str(tmp_path / "missing.csv"))
     assert rc == 2 and "error" in capsys.readouterr().err

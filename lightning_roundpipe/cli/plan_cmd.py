@@ -182,7 +182,7 @@ def make_report(args: argparse.Namespace) -> PlanReport:
 
     mp = modelled(args.seq_len, args.microbatch_size)
     part = auto_partition(mp.profiles, D, budget, args.method, saved_activation_bytes=mp.saved_activation_bytes)
-    stages = tuple(describe_stages(part, mp.profiles, mp.saved_activation_bytes))
+    stages = tuple(describe_stages(part, mp.profiles, mp.saved_activation_bytes, mp.shared_weights))
     fwd, bwd = schedule_ranges(part)
     eplan = build_roundpipe_plan(build_stages(fwd, bwd, fused_tail=True), D, M)
     step_s, idle, predictor = _predict(eplan, mp, hw)

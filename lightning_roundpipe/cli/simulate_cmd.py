@@ -13,6 +13,7 @@ Example (reproduces the paper's ``paper_simulated_bubbles.csv`` within a few poi
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         timings = read_layer_timings(args.layer_timings)
+        _check_plot_model(args, timings)  # before the table is simulated or printed
         recompute = not args.no_baseline_recompute
         errors: list[str] = []
         table = bubble_table(timings, args.devices, args.microbatches, args.schedules, recompute_baselines=recompute,
@@ -101,12 +103,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_plot_model(args: argparse.Namespace, timings: list) -> None:
+    """``--plot-model`` names a model of the timings (the choices are known only once they are read).
+
+    Raises:
+        ValueError: listing the models, with the near one when there is one.
+    """
+    models = [t.model for t in timings]
+    name = args.plot_model
+    if name is None or name in models:
+        return
+    near = [m for m in models if m.lower() == name.strip().lower()] or difflib.get_close_matches(name, models, n=1)
+    hint = f"did you mean {near[0]!r}?" if near else f"leave it out to use the first row ({models[0]!r})."
+    raise ValueError(f"`--plot-model` must be one of the models of {args.layer_timings.name}: {models},"
+                     f" got {name!r}. HINT: {hint}")
+
+
 def _model(args: argparse.Namespace, timings: list):
-    chosen = [t for t in timings if args.plot_model in (None, t.model)][:1]
-    if not chosen:
-        print(f"roundpipe simulate: error: --plot-model {args.plot_model!r} is not in the table; models:"
-              f" {[t.model for t in timings]}", file=sys.stderr)
-    return chosen[0] if chosen else None
+    """The model of ``--plot-model`` (checked by :func:`_check_plot_model`), else the first row."""
+    return next(t for t in timings if args.plot_model in (None, t.model))
 
 
 def _trace(args: argparse.Namespace, timings: list, recompute: bool) -> int:
@@ -114,8 +129,6 @@ def _trace(args: argparse.Namespace, timings: list, recompute: bool) -> int:
     from lightning_roundpipe.simulate.engine import simulate
 
     t = _model(args, timings)
-    if t is None:
-        return 2
     prof = layer_profiles(t)
     schedule = args.trace_schedule
     try:
@@ -141,8 +154,6 @@ def _plot(args: argparse.Namespace, timings: list, recompute: bool) -> int:
     from lightning_roundpipe.simulate.engine import simulate
 
     t = _model(args, timings)
-    if t is None:
-        return 2
     prof = layer_profiles(t)
     panels = {}
     for s in args.schedules:

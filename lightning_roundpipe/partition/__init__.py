@@ -24,12 +24,12 @@ from lightning_roundpipe.partition.partitioner import (
     stage_memory,
 )
 from lightning_roundpipe.partition.presets import preset_config, preset_hf_config, preset_names
-from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile
+from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile, SharedWeight
 from lightning_roundpipe.partition.seqlen import peak_device_memory_bytes, planned_max_seq_len
 from lightning_roundpipe.partition.types import PartitionPlan
 
 __all__ = [
-    "HardwareModel", "LayerProfile", "PartitionPlan",
+    "HardwareModel", "LayerProfile", "PartitionPlan", "SharedWeight",
     "METHODS", "StageSummary", "auto_partition", "describe_stages", "min_stage_memory_bytes", "plan_objective_s", "schedule_ranges",
     "stage_cost_s", "stage_memory",
     "CostModel", "LayerCost", "LoRASpec", "ModelledProfiles", "ModelShape", "meta_param_counts", "model_profiles",

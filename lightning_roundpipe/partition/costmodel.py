@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
-from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile
+from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile, SharedWeight
 
 LayerKind = Literal["prefix", "decoder", "tail"]
 
@@ -443,6 +443,9 @@ class ModelledProfiles:
     """The LoRA setting, ``None`` for full fine-tuning."""
     cost_model: CostModel = field(default_factory=CostModel)
     """The efficiencies used."""
+    shared_weights: tuple[SharedWeight, ...] = ()
+    """The tied embedding / LM head weight, which the prefix's and the tail's profiles both count
+    (pass to ``describe_stages``)."""
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -480,8 +483,14 @@ def model_profiles(
     costs = cm.layer_costs(shape, seq_len=seq_len, microbatch_size=microbatch_size,
                            compute_dtype_bytes=compute_dtype_bytes, lora=lora)
     profiles = tuple(cm.profile(c, hardware, compute_dtype_bytes) for c in costs)
+    shared: tuple[SharedWeight, ...] = ()
+    if shape.tie_word_embeddings:
+        tied = shape.vocab_size * shape.hidden_size
+        trained = costs[0].trainable_param_count >= tied and costs[-1].trainable_param_count >= tied
+        shared = (SharedWeight(layers=(0, len(costs) - 1), param_bytes=tied * compute_dtype_bytes,
+                               grad_bytes=tied * compute_dtype_bytes if trained else 0),)
     return ModelledProfiles(shape=shape, costs=tuple(costs), profiles=profiles, seq_len=seq_len,
-                            microbatch_size=microbatch_size, lora=lora, cost_model=cm)
+                            microbatch_size=microbatch_size, lora=lora, cost_model=cm, shared_weights=shared)
 
 
 def meta_param_counts(config: Any) -> list[int]:

@@ -63,7 +63,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from lightning_roundpipe.partition.profile import LayerProfile
+from lightning_roundpipe.partition.profile import LayerProfile, SharedWeight
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.schedule.baselines import balanced_stage_layers
 
@@ -439,19 +439,28 @@ def describe_stages(
     plan: PartitionPlan,
     profiles: Sequence[LayerProfile],
     saved_activation_bytes: Sequence[int] | None = None,
+    shared_weights: Sequence[SharedWeight] = (),
 ) -> list[StageSummary]:
-    """Every stage of ``plan`` in round-robin order (forward, fused tail, backward) with its cost and memory."""
+    """Every stage of ``plan`` in round-robin order (forward, fused tail, backward) with its cost and memory.
+
+    ``shared_weights``: weights several layers use (a tied embedding / LM head), which the layers'
+    profiles each count; a stage holding several of those layers counts them once, as it uploads
+    them once. A weight in two stages counts in both (both upload it), so a sum over stages is not
+    the model's size.
+    """
     tab = _Tables(list(profiles), saved_activation_bytes)
     fwd, bwd = schedule_ranges(plan)
     out: list[StageSummary] = []
     for kind, ranges in (("forward", fwd), ("fused", bwd[:1]), ("backward", bwd[1:])):
         for r in ranges:
             backward = kind != "forward"
+            extra_param = sum(w.excess(r) * w.param_bytes for w in shared_weights)
+            extra_grad = sum(w.excess(r) * w.grad_bytes for w in shared_weights) if backward else 0
             out.append(StageSummary(
                 stage_index=len(out), kind=kind, layers=r, cost_s=tab.cost(r.start, r.stop, backward),
-                param_bytes=tab.Pparam[r.stop] - tab.Pparam[r.start],
-                grad_bytes=sum(tab.grad[i] for i in r) if backward else 0,
-                memory_bytes=tab.mem(r.start, r.stop, backward),
+                param_bytes=tab.Pparam[r.stop] - tab.Pparam[r.start] - extra_param,
+                grad_bytes=sum(tab.grad[i] for i in r) - extra_grad if backward else 0,
+                memory_bytes=tab.mem(r.start, r.stop, backward) - extra_param - extra_grad,
             ))
     return out
 

@@ -46,6 +46,28 @@ class LayerProfile:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SharedWeight:
+    """A weight that several layers of the sequence use (an embedding tied to the LM head).
+
+    Each of those layers' :class:`LayerProfile` counts it, as each layer's stage uploads it; a stage
+    that holds several of them uploads (and sends back the gradient of) it once.
+
+    Attributes:
+        layers: the layer indices that use the weight (two or more).
+        param_bytes: bytes one upload of it moves (as counted in each layer's ``param_bytes``).
+        grad_bytes: bytes of its gradient sent D2H (as counted in each layer's ``grad_bytes``; 0 if frozen).
+    """
+
+    layers: tuple[int, ...]
+    param_bytes: int
+    grad_bytes: int = 0
+
+    def excess(self, stage: range) -> int:
+        """How many times too often a sum of per-layer figures over ``stage`` counts the weight."""
+        return max(0, sum(1 for i in set(self.layers) if i in stage) - 1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class HardwareModel:
     """One device and its link to host memory.
 

@@ -30,17 +30,25 @@ class PartitionPlan:
             ValueError: naming the first gap or overlap, with a hint.
         """
         _check_tiling(self.forward_stages, num_layers, "forward_stages")
-        _check_tiling(tuple(reversed(self.backward_stages)), num_layers, "backward_stages (reversed)")
+        _check_tiling(self.backward_stages, num_layers, "backward_stages", tail_first=True)
         return self
 
 
-def _check_tiling(ranges: tuple[range, ...], num_layers: int, name: str) -> None:
+def _check_tiling(given: tuple[range, ...], num_layers: int, name: str, tail_first: bool = False) -> None:
+    """``given`` (ascending, or tail first) must tile ``0..num_layers-1``; errors quote it as the user wrote it."""
+    ranges = tuple(reversed(given)) if tail_first else tuple(given)
     gap = tiling_gap(ranges)
     if gap is not None:
+        order = "in descending order (the tail first)" if tail_first else "in ascending order"
+        entry = len(ranges) - 1 - gap[0] if tail_first else gap[0]
+        if tail_first and tiling_gap(tuple(given)) is None:
+            hint = f"the list ascends; give it tail first: `{name}={list(ranges)!r}`."
+        else:
+            hint = ("forward stages ascend, backward stages are listed tail first, e.g."
+                    " forward=[range(0, 3), range(3, 5)], backward=[range(4, 5), range(0, 4)].")
         raise ValueError(
-            f"`{name}` must tile layers 0..{num_layers - 1} with consecutive non-empty ranges; got {list(ranges)!r}"
-            f" (expected a range starting at layer {gap[1]}). HINT: forward stages ascend, backward stages"
-            " are listed tail first, e.g. forward=[range(0, 3), range(3, 5)], backward=[range(4, 5), range(0, 4)]."
+            f"`{name}` must tile layers 0..{num_layers - 1} with consecutive non-empty ranges {order}; got"
+            f" {list(given)!r} (entry {entry} should be a range starting at layer {gap[1]}). HINT: {hint}"
         )
     covered = ranges[-1].stop if ranges else 0
     if covered != num_layers:

@@ -173,7 +173,7 @@ def describe_choice(engine: Any, choice: PlanChoice, profiles: Sequence[LayerPro
     rows = "\n".join(
         f"  stage {s.stage_index:3d} {s.kind:8s} layers {s.layers.start}..{s.layers.stop - 1}"
         f"  cost {s.cost_s * 1e3:9.3f} ms  params {s.param_bytes / 2**20:9.2f} MiB"
-        for s in describe_stages(new, profiles))
+        for s in describe_stages(new, profiles, shared_weights=engine.store.shared_weights()))
     count = choice.num_microbatches or (engine._last_call[0] if engine._last_call else 1)
     cut = (f", the batch cut into {choice.num_microbatches} microbatches instead of {engine.num_microbatches}"
            f" (a multiple of the {len(engine.backends)} devices; `balance_microbatches=False` keeps"

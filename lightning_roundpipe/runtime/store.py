@@ -34,9 +34,15 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from lightning_roundpipe.partition.profile import SharedWeight
 from lightning_roundpipe.runtime.grads import GradAccumulator, download_bytes, needs_fp32_accumulation
 
 _ALIGN = 16
+
+
+def _padded_bytes(entry: "_Tensor") -> int:
+    """Bytes a tensor takes in a stage's flat buffer (its upload dtype, padded to ``_ALIGN``)."""
+    return -(-entry.master.numel() * entry.dtype.itemsize // _ALIGN) * _ALIGN
 
 
 @dataclass
@@ -244,13 +250,30 @@ class WeightStore:
         for key in keys:
             entry = self.tensors[key]
             offsets.append(total)
-            total += -(-entry.master.numel() * entry.dtype.itemsize // _ALIGN) * _ALIGN
+            total += _padded_bytes(entry)
         got = self._layouts[layers] = StageLayout(layers, tuple(keys), tuple(offsets), total, names)
         return got
 
     def stage_bytes(self, layers: range) -> int:
         """Bytes one upload of the stage moves (compute-dtype parameters, buffers, padding)."""
         return self.layout(layers).total_bytes
+
+    def shared_weights(self) -> list[SharedWeight]:
+        """The tensors several layers use (a tied embedding / LM head), with the bytes that
+        :meth:`stage_bytes` and :meth:`stage_grad_bytes` of each such layer count for them: a stage
+        holding several of those layers moves them once."""
+        users: dict[int, list[int]] = {}
+        for li, entries in enumerate(self.entries):
+            for key in dict.fromkeys(key for _, key in entries):
+                users.setdefault(key, []).append(li)
+        out = []
+        for key, layers in users.items():
+            if len(layers) > 1:
+                entry = self.tensors[key]
+                out.append(SharedWeight(layers=tuple(layers), param_bytes=_padded_bytes(entry),
+                                        grad_bytes=download_bytes(entry.master.numel(), entry.dtype)
+                                        if entry.is_param and entry.master.requires_grad else 0))
+        return out
 
     def stage_grad_bytes(self, layers: range) -> int:
         """Bytes of the stage's trainable parameters' gradients as ``WD2H`` downloads them: fp32
