@@ -178,7 +178,9 @@ class RoundPipeConfig:
     (8 rows as 3, 3, 2 on 2 devices: 5 rows on one, 3 on the other; as 4 x 2 rows: 4 each). The
     microbatches only get smaller (less activation memory each) and the loss stays normalised by the
     whole batch. Never with one device, a ``microbatches_per_round`` of yours, random layers (dropout
-    masks are drawn per microbatch) or a routing (MoE) model. ``False``: always ``num_microbatches``."""
+    masks are drawn per microbatch) or a routing (MoE) model. Chosen once, from the rows of the last
+    profiled batch, and kept for the run (and in its checkpoints). ``False``: always
+    ``num_microbatches``."""
 
     cpu_link_bytes_per_s: float | None = None
     """``float > 0`` or ``None``, bytes/s per direction; default ``None``: copies at memory speed. CPU
@@ -241,7 +243,8 @@ class RoundPipeConfig:
                             " HINT: `fused_loss=False` returns logits from a training call with `labels`.")
         if not isinstance(self.balance_microbatches, bool):
             raise TypeError(f"`balance_microbatches` must be a bool, got {self.balance_microbatches!r}."
-                            " HINT: `balance_microbatches=False` always cuts the batch into `num_microbatches`.")
+                            " HINT: pass `True` (the default) or `False` (always cut into `num_microbatches`);"
+                            " from the command line `strategy.balance_microbatches=true` or `=false`.")
         fwd = _as_ranges("forward_stages", self.forward_stages)
         bwd = _as_ranges("backward_stages", self.backward_stages)
         if (fwd is None) != (bwd is None):

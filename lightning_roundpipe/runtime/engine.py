@@ -88,7 +88,7 @@ class RoundPipeEngine:
         balance_microbatches: with ``auto_partition_after_steps``, the automatic choice may also cut
             the batch into the next multiple of the device count of microbatches
             (:func:`~lightning_roundpipe.runtime.autopartition.split_options`); ``False``: always
-            ``num_microbatches``.
+            ``num_microbatches`` (the default here; the strategy's default is ``True``).
 
     Raises:
         ValueError: for an empty device list, ``num_microbatches < 1``, a partition that does not

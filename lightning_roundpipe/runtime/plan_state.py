@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
-from lightning_roundpipe.runtime.autopartition import PlanChoice
+from lightning_roundpipe.runtime.autopartition import PlanChoice, describe_rounds
 
 CHECKPOINT_KEY = "roundpipe_plan"
 """The checkpoint's key for :func:`plan_state`."""
@@ -30,6 +30,17 @@ def _ranges(stages) -> list[list[int]]:
     return [[r.start, r.stop] for r in stages]
 
 
+def _settings(engine: Any) -> dict[str, Any]:
+    """What the choice was made for: a resumed run with other settings makes its own."""
+    from lightning_roundpipe.runtime.rng import rng_layers
+
+    return {"num_layers": len(engine.seq), "num_devices": len(engine.backends),
+            "num_microbatches": engine.num_microbatches, "balance_microbatches": engine.balance_microbatches,
+            "microbatches_per_round": engine.microbatches_per_round if engine.rounds_pinned else None,
+            "fused_loss": engine.fused_loss, "random_layers": sorted(rng_layers(engine.seq)),
+            "stage_memory_bytes": engine.stage_memory_bytes, "cpu_link_bytes_per_s": engine.cpu_link_bytes_per_s}
+
+
 def plan_state(engine: Any) -> dict[str, Any] | None:
     """The engine's profiling progress and automatic choice, as plain values; ``None`` when it
     neither profiles nor chooses (nothing to keep)."""
@@ -37,7 +48,7 @@ def plan_state(engine: Any) -> dict[str, Any] | None:
     if profiler is None and engine.plan_choice is None:
         return None
     state: dict[str, Any] = {
-        "version": _VERSION, "num_layers": len(engine.seq), "num_devices": len(engine.backends),
+        "version": _VERSION, "settings": _settings(engine),
         "last_call": list(engine._last_call) if engine._last_call is not None else None,
         "last_sizes": list(engine._last_sizes), "profiled_rows": engine._profiled_rows,
         "measured_profiles": (None if engine.measured_profiles is None
@@ -60,14 +71,21 @@ def plan_state(engine: Any) -> dict[str, Any] | None:
 def restore_plan_state(engine: Any, state: dict[str, Any] | None) -> bool:
     """Go on from ``state`` (:func:`plan_state` of the run that saved the checkpoint): the profiling
     progress, the measured profiles and, with the automatic partition on, the choice (stages, rounds,
-    the cut of the batch). Kept only for the same layer and device count (a choice for other devices
-    does not hold: the run profiles again) and when this engine profiles.
+    the cut of the batch). Kept only when this engine profiles and for the same settings: layers,
+    devices, ``num_microbatches``, ``balance_microbatches``, your ``microbatches_per_round``, the
+    fused loss, the random layers, the memory budget and the modelled link; otherwise the engine
+    reports which differ and profiles again.
 
     Returns:
         Whether the state was applied.
     """
-    if (not state or state.get("version") != _VERSION or state.get("num_layers") != len(engine.seq)
-            or state.get("num_devices") != len(engine.backends) or engine.executor.profiler is None):
+    if not state or engine.executor.profiler is None:
+        return False
+    now, saved_settings = _settings(engine), state.get("settings") or {}
+    changed = [k for k in now if saved_settings.get(k, object()) != now[k]]
+    if state.get("version") != _VERSION or changed:
+        engine.info(f"RoundPipe: the checkpoint's automatic plan was made for other settings"
+                    f" ({', '.join(f'`{k}`' for k in changed) or 'another version'}); this run profiles again.")
         return False
     profiler = engine.executor.profiler
     saved = state.get("profiler") or {}
@@ -88,4 +106,10 @@ def restore_plan_state(engine: Any, state: dict[str, Any] | None) -> bool:
                                         choice.get("num_microbatches"))
         engine.set_partition(partition, choice["microbatches_per_round"])
         engine.split_num_microbatches = choice.get("num_microbatches")
+        cut = (f", the batch cut into {engine.split_num_microbatches} microbatches instead of"
+               f" {engine.num_microbatches}" if engine.split_num_microbatches else "")
+        engine.info(f"RoundPipe: resumed with the checkpoint's automatic plan ({len(partition.forward_stages)} forward"
+                    f" and {len(partition.backward_stages)} backward stages,"
+                    f" {describe_rounds(engine.microbatches_per_round, engine.split_num_microbatches or engine.num_microbatches)}"
+                    f"{cut}); nothing is profiled again.")
     return True
