@@ -74,8 +74,7 @@ def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("rpcache")
 
 
-@pytest.mark.slow  # ~17-40 s on 2 cores (dequantising 272 tensors, then saving 540 MB): in `-m slow` (CI runs it)
-@needs_gguf
+@needs_gguf  # ~17 s on 2 idle cores (dequantising 272 tensors, then saving 540 MB): not marked slow
 def test_dequantise_cache_and_reload(cache_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """First call dequantises into the cache (env var); the second comes from the cache alone."""
     monkeypatch.setenv(CACHE_ENV, str(cache_root))
