@@ -21,7 +21,8 @@ from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime import autopartition
 from lightning_roundpipe.runtime.autopartition import (choose_partition, fused_stages, round_options, simulated_step_s,
-                                                      split_options, split_sizes)
+                                                      split_options)
+from lightning_roundpipe.runtime.microbatch import split_microbatches, split_sizes
 from lightning_roundpipe.runtime.engine import RoundPipeEngine
 from lightning_roundpipe.schedule import build_roundpipe_plan
 from lightning_roundpipe.schedule.lower import lower
@@ -154,13 +155,15 @@ def test_partition_typo_gets_the_near_option(value, hint):
 
 # ---------------------------------------------------------------------- the batch cut into a multiple of the devices
 
-def test_split_sizes_match_the_runtime_split():
-    from lightning_roundpipe.runtime.microbatch import split_microbatches
-
+def test_split_sizes_match_torch_tensor_split():
+    """The documented rule's oracle is torch's own `tensor_split`; the runtime cuts the tensors so."""
     for rows in range(1, 12):
         for count in range(1, 9):
-            _, sizes = split_microbatches(torch.zeros(rows, 2), count)
-            assert split_sizes(rows, count) == sizes
+            expected = [len(part) for part in torch.tensor_split(torch.arange(rows), min(count, rows))]
+            assert split_sizes(rows, count) == expected
+            parts, sizes = split_microbatches({"x": torch.arange(rows), "n": 3}, count)
+            assert sizes == expected and [len(p["x"]) for p in parts] == expected
+            assert torch.equal(torch.cat([p["x"] for p in parts]), torch.arange(rows)) and all(p["n"] == 3 for p in parts)
 
 
 def test_split_options():

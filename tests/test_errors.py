@@ -203,3 +203,13 @@ def test_multi_node_without_a_launch_says_how(monkeypatch):
     assert t.world_size == 2 and t.num_devices == 2
     with pytest.raises(ValueError, match="MASTER_PORT.*NODE_RANK=k"):
         t.fit(MLPModule(), loader(VectorData(n=7)))
+
+
+def test_a_batch_smaller_than_num_microbatches_warns_with_a_hint():
+    """2 rows cannot make 3 microbatches: the run says so once, with what to change, and trains."""
+    module = MLPModule(scheduler=False)
+    run = trainer(lightning_roundpipe.RoundPipeStrategy(num_microbatches=3), devices=2, max_steps=2)
+    with pytest.warns(UserWarning, match=r"a batch of 2 rows is cut into 2 microbatches instead of 3 "
+                                         r"\(`num_microbatches=3`; .*HINT: a `batch_size` of at least 3"):
+        run.fit(module, loader(VectorData(), batch_size=2))
+    assert run.global_step == 2

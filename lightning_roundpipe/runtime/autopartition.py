@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
+from lightning_roundpipe.runtime.microbatch import split_sizes
 from lightning_roundpipe.schedule import build_stages, default_stage_ranges
 
 
@@ -216,13 +217,6 @@ def hardware_model(engine: Any):
     else:
         return None
     return HardwareModel(flops_per_s=1.0, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, h2d_duplex_bytes_per_s=h2d)
-
-
-def split_sizes(rows: int, num_microbatches: int) -> list[int]:
-    """Rows of each microbatch when ``rows`` are cut into ``num_microbatches`` (at most ``rows``), as
-    :func:`~lightning_roundpipe.runtime.microbatch.split_microbatches` cuts them: larger first."""
-    count = max(1, min(num_microbatches, rows))
-    return [rows // count + (1 if i < rows % count else 0) for i in range(count)]
 
 
 def microbatch_weights(sizes: Sequence[int], num_microbatches: int,

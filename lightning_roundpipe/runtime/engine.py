@@ -367,12 +367,14 @@ class RoundPipeEngine:
                          if grad_enabled and isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
         grad_inputs = [flat[i] for i in grad_pos]
         carry = pytree.tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], carry_spec)
-        mbs, sizes = split_microbatches(carry, self.split_num_microbatches or self.num_microbatches)
+        target = self.split_num_microbatches or self.num_microbatches
+        mbs, sizes = split_microbatches(carry, target)
         m = len(mbs)
-        if m < self.num_microbatches and not self._warned_small_batch:
+        if m < target and not self._warned_small_batch:
             self._warned_small_batch = True
-            warnings.warn(f"RoundPipe: a batch of {sum(sizes)} rows is cut into {m} microbatches instead of"
-                          f" `num_microbatches={self.num_microbatches}` (a microbatch needs at least one row).")
+            warnings.warn(f"RoundPipe: a batch of {sum(sizes)} rows is cut into {m} microbatches instead of {target}"
+                          f" (`num_microbatches={self.num_microbatches}`{', re-cut for the devices' if target != self.num_microbatches else ''};"
+                          f" a microbatch needs at least one row). HINT: a `batch_size` of at least {target}, or a lower `num_microbatches`.")
         training = grad_enabled and (bool(grad_pos) or any(p.requires_grad for p in seq.parameters()))
         n_fwd = len(self.partition.forward_stages)
         n_bwd = len(self.partition.backward_stages)

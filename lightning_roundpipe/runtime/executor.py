@@ -469,6 +469,7 @@ class Executor:
         replicas = self.replicas[backend.device_index]
         for li in spec.layers:  # the replicas must not keep the dropped buffer alive
             replicas[li].unbind(resident.layer_tensors(li))
+        backend.release_bytes(resident.buffer)
         with run._lock:
             run.resident_bytes[backend.device_index] -= resident.nbytes
         return 0

@@ -2,7 +2,7 @@
 
 Rules (pytrees of ``torch.utils._pytree``):
 
-- split: a tensor whose dim 0 equals the batch size is cut with ``torch.tensor_split`` (sizes differ
+- split: a tensor whose dim 0 equals the batch size is cut as ``torch.tensor_split`` cuts (sizes differ
   by at most one, larger first: 7 rows into 5 microbatches gives 2, 2, 1, 1, 1); any other leaf (0-dim
   tensors such as ``num_items_in_batch``, python values, ``None``) is given to every microbatch;
 - merge: tensors of dim >= 1 are concatenated along dim 0; 0-dim tensors are summed (they must be
@@ -34,23 +34,31 @@ def batch_size_of(carry: Any) -> int:
     )
 
 
+def split_sizes(rows: int, num_microbatches: int) -> list[int]:
+    """Rows of each microbatch when ``rows`` are cut into ``min(num_microbatches, rows)`` (at least
+    one): sizes differ by at most one, larger first, as ``torch.tensor_split`` cuts (7 rows into 5:
+    ``[2, 2, 1, 1, 1]``). The runtime's cut (:func:`split_microbatches`) and the automatic choice's
+    model of it both use this."""
+    count = max(1, min(num_microbatches, rows))
+    return [rows // count + (1 if i < rows % count else 0) for i in range(count)]
+
+
 def split_microbatches(carry: Any, num_microbatches: int) -> tuple[list[Any], list[int]]:
-    """Cut ``carry`` into ``min(num_microbatches, batch size)`` microbatches.
+    """Cut ``carry`` into ``min(num_microbatches, batch size)`` microbatches (:func:`split_sizes`).
 
     Returns:
         ``(microbatches, sizes)``: the per-microbatch carries and their batch sizes (rows).
     """
     bsz = batch_size_of(carry)
-    m = max(1, min(num_microbatches, bsz))
+    sizes = split_sizes(bsz, num_microbatches)
     leaves, spec = pytree.tree_flatten(carry)
     per_leaf = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == bsz:
-            per_leaf.append(torch.tensor_split(leaf, m, dim=0))
+            per_leaf.append(torch.split(leaf, sizes, dim=0))
         else:
-            per_leaf.append([leaf] * m)
-    sizes = [len(r) for r in torch.tensor_split(torch.empty(bsz, 0), m)]
-    mbs = [pytree.tree_unflatten([pl[i] for pl in per_leaf], spec) for i in range(m)]
+            per_leaf.append([leaf] * len(sizes))
+    mbs = [pytree.tree_unflatten([pl[i] for pl in per_leaf], spec) for i in range(len(sizes))]
     return mbs, sizes
 
 

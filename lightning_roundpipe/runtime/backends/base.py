@@ -126,6 +126,11 @@ class Backend(abc.ABC):
     def empty_bytes(self, nbytes: int) -> torch.Tensor:
         """A device buffer of ``nbytes`` bytes (``uint8``) for a stage's weights."""
 
+    def release_bytes(self, buffer: torch.Tensor) -> None:
+        """The program is done with ``buffer`` (from :meth:`empty_bytes`; its stage's ``DROP``): the
+        backend may hand it to a later :meth:`empty_bytes` once nothing references it (CUDA: the
+        caching allocator does this when the last reference goes)."""
+
     @abc.abstractmethod
     def copy_chunk(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
         """One weight chunk: ``dst.copy_(src)`` for each ``(device bytes, host bytes)`` piece, on the

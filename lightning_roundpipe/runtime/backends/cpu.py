@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.runtime.backends.base import Backend, Publish, tree_nbytes
 from lightning_roundpipe.runtime.backends.budget import DeviceMemoryLedger
+from lightning_roundpipe.runtime.backends.buffer_cache import BufferCache
 
 _ACTIVATION, _WEIGHTS = 0, 1
 
@@ -89,6 +90,9 @@ class CpuBackend(Backend):
 
     Attributes:
         memory: the :class:`DeviceMemoryLedger` of the budget (``None`` without one).
+        buffers: the :class:`~lightning_roundpipe.runtime.backends.buffer_cache.BufferCache` of stage
+            weight buffers, as a GPU's caching allocator keeps them (``None`` with a memory budget,
+            where every buffer is allocated and counted anew).
     """
 
     def __init__(self, device_index: int, link_bytes_per_s: float | None = None, copy_delay_s: float = 0.0,
@@ -98,7 +102,13 @@ class CpuBackend(Backend):
         self.d2h_link = Link(link_bytes_per_s)
         self.copy_delay_s = float(copy_delay_s)
         self.memory = None if device_memory_bytes is None else DeviceMemoryLedger(device_index, device_memory_bytes)
+        self.buffers = BufferCache() if self.memory is None else None
         self._start_threads()
+
+    def close(self) -> None:
+        super().close()
+        if self.buffers is not None:
+            self.buffers.clear()
 
     def op_scope(self, stream: str, label: str):
         if self.memory is None:
@@ -153,14 +163,22 @@ class CpuBackend(Backend):
         return self._copy_tree(tree, publish, self.d2h_link, _ACTIVATION)
 
     def empty_bytes(self, nbytes: int) -> torch.Tensor:
-        if self.memory is not None:
-            self.memory.check(nbytes)  # before the stage's weight buffer is allocated
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if self.memory is not None:
-            self.memory.track(buf)
+        buf = self.buffers.take(nbytes) if self.buffers is not None else None
+        if buf is None:
+            if self.memory is not None:
+                self.memory.check(nbytes)  # before the stage's weight buffer is allocated
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            if self.memory is not None:
+                self.memory.track(buf)
+            if self.buffers is not None:
+                self.buffers.register(buf)
         if self.copy_delay_s:
             buf.fill_(255)  # NaN in every float format
         return buf
+
+    def release_bytes(self, buffer: torch.Tensor) -> None:
+        if self.buffers is not None:
+            self.buffers.give(buffer)
 
     def copy_chunk(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
         with self.h2d_link.transfer(nbytes, _WEIGHTS):
