@@ -184,6 +184,20 @@ def test_split_options():
     assert split_options(random_layers, 3, 8) == [3]  # dropout masks are per microbatch
 
 
+def test_the_choice_line_says_why_no_cut_is_offered():
+    """With `microbatches_per_round` set, 3 microbatches on 2 devices are not re-cut, and the line says why;
+    a count already a multiple of the devices needs no reason."""
+    lines = []
+    pinned, profiles = _engine(2, 3, [3, 3, 2], balance_microbatches=True, microbatches_per_round=1)
+    pinned.info = lines.append
+    assert choose_partition(pinned, profiles).num_microbatches is None
+    assert "no cut into a multiple of the 2 devices: `microbatches_per_round` is set" in lines[-1]
+    even, profiles = _engine(2, 4, [2, 2, 2, 2], balance_microbatches=True, microbatches_per_round=1)
+    even.info = lines.append
+    choose_partition(even, profiles)
+    assert "no cut" not in lines[-1]
+
+
 def test_eight_rows_in_three_microbatches_run_as_four_on_two_devices():
     """8 rows, 3 microbatches (3, 3, 2), 2 devices, profiled at 8/3 rows per microbatch: the best the
     configured cut allows is 5 rows on one device (rounds of 1, whole model: 5/(8/3) microbatch-times);

@@ -65,17 +65,28 @@ def split_options(engine: Any, num_microbatches: int, rows: int) -> list[int]:
     layers (dropout masks are drawn per (layer, microbatch): a cut that depends on the device count
     would make a run depend on it).
     """
-    from lightning_roundpipe.runtime.rng import rng_layers
-
     devices = len(engine.backends)
     out = [num_microbatches]
-    if (not engine.balance_microbatches or engine.rounds_pinned or devices == 1 or engine.seq.routing is not None
-            or rng_layers(engine.seq)):
+    if not engine.balance_microbatches or devices == 1 or no_split_reason(engine) is not None:
         return out
     finer = min(rows, math.ceil(num_microbatches / devices) * devices)
     if finer > num_microbatches:
         out.append(finer)
     return out
+
+
+def no_split_reason(engine: Any) -> str | None:
+    """Why :func:`split_options` offers no finer cut whatever the rows and devices (a phrase for the
+    choice's line), or ``None``."""
+    from lightning_roundpipe.runtime.rng import rng_layers
+
+    if engine.rounds_pinned:
+        return "`microbatches_per_round` is set"
+    if engine.seq.routing is not None:
+        return "a routing model's load-balancing statistics are per microbatch"
+    if rng_layers(engine.seq):
+        return "random layers (dropout) draw their masks per microbatch"
+    return None
 
 
 def round_options(engine: Any, num_microbatches: int) -> list[int | None]:
@@ -150,6 +161,9 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
         best = min(finer)
     best_s, _, index, per_round, count = best
     cut = "" if count == counts[0] else f", the batch cut into {count} microbatches instead of {counts[0]}"
+    devices, reason = len(engine.backends), no_split_reason(engine)
+    if engine.balance_microbatches and devices > 1 and counts[0] % devices and reason is not None:
+        cut += f"; no cut into a multiple of the {devices} devices: {reason}"
     engine.info(f"RoundPipe: simulated step of {len(candidates)} candidate partitions x"
                 f" {len(timed) // len(candidates)} microbatch options: {best_s * 1e3:.1f} .."
                 f" {max(t[0] for t in timed) * 1e3:.1f} ms; chose candidate {index} with"
