@@ -145,8 +145,8 @@ def _plain_two_thread_speedup(args: argparse.Namespace, num_microbatches: int, r
     """The machine's own 2-thread speed-up on this work: plain HF forward+backward of the batch's
     microbatches (the batch cut as the 2-device plan cuts it), all on one thread vs half on each of
     two threads at once (``torch.set_num_threads(1)`` in each, two model copies). No RoundPipe code
-    runs; it bounds what two CPU virtual devices can reach on this machine (shared caches, memory
-    bandwidth, clock, neighbours on a VM)."""
+    runs; what the hardware gives two threads now (shared caches, memory bandwidth, clock, a VM's
+    neighbours), a reference for the RoundPipe pair measured just before."""
     import threading
 
     from lightning_roundpipe.runtime.microbatch import split_sizes
