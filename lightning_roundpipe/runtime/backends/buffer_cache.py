@@ -6,8 +6,9 @@ A GPU keeps freed blocks reserved (PyTorch's CUDA caching allocator), so the wei
 link's rate. torch's CPU allocator returns large blocks to the kernel (glibc ``mmap``/``munmap``
 above 32 MiB at most), so every ``LOAD`` of a CPU virtual device wrote into fresh pages: measured on
 this project's benchmark model (``benchmarks/cpu_scaling.py``: one 37 MiB fused stage per device),
-9,500 page faults per device per step and a 35-50 ms upload instead of about 6 ms into reused
-memory, all of it before the stage's first microbatch could start.
+9,500 page faults per device per step and a 35-50 ms upload, against 14-22 ms into reused memory
+with both devices uploading at once (about 6 ms for one thread alone), all of it before the stage's
+first microbatch could start.
 
 :class:`BufferCache` keeps the buffers that ``DROP`` hands back (:meth:`give`) and hands one of the
 same size to the next ``LOAD`` (:meth:`take`), but only once nothing else references its storage:
