@@ -49,6 +49,19 @@ def _check_positive(name: str, value: Any, integer: bool, hint: str) -> None:
         raise ValueError(f"`{name}` must be {kind}, got {value!r}. HINT: {hint}.")
 
 
+MIN_LINK_BYTES_PER_S = 1e6
+"""The slowest modelled host link accepted, bytes/s (1 MB/s; a GiB stage then takes 18 minutes a copy):
+a rate given in GB/s by mistake (``25``) would make each upload take days, and the run look hung."""
+
+
+def check_link_rate(rate: float) -> None:
+    """Raise ``ValueError`` for a ``cpu_link_bytes_per_s`` below :data:`MIN_LINK_BYTES_PER_S`."""
+    if rate < MIN_LINK_BYTES_PER_S:
+        raise ValueError(f"`cpu_link_bytes_per_s` is in bytes/s and must be at least {MIN_LINK_BYTES_PER_S:.0e}"
+                         f" (1 MB/s), got {rate!r}: a 64 MiB weight chunk would take {64 * 2**20 / rate / 86400:.1f}"
+                         " days. HINT: 25e9 models PCIe 4.0 x16 one way (25 GB/s).")
+
+
 def _as_ranges(name: str, stages: Any) -> tuple[range, ...] | None:
     """``None``, or ``stages`` (``range`` s or ``(start, stop)`` pairs, e.g. lists from YAML) as ranges."""
     if stages is None:
@@ -183,7 +196,7 @@ class RoundPipeConfig:
     ``num_microbatches``."""
 
     cpu_link_bytes_per_s: float | None = None
-    """``float > 0`` or ``None``, bytes/s per direction; default ``None``: copies at memory speed. CPU
+    """``float >= 1e6`` or ``None``, bytes/s per direction; default ``None``: copies at memory speed. CPU
     virtual devices only: every copy takes ``bytes / rate``, so a CPU run reproduces a PCIe-bound regime
     (``25e9`` models PCIe 4.0 x16 one way)."""
 
@@ -259,6 +272,7 @@ class RoundPipeConfig:
         if self.cpu_link_bytes_per_s is not None:
             _check_positive("cpu_link_bytes_per_s", self.cpu_link_bytes_per_s, integer=False,
                             hint="25e9 models PCIe 4.0 x16 one way")
+            check_link_rate(self.cpu_link_bytes_per_s)
         delay = self.debug_copy_delay_s
         if not _is_number(delay) or not 0 <= delay < math.inf:
             raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {delay!r}."

@@ -309,3 +309,22 @@ def test_resume_goes_on_with_the_chosen_cut(tmp_path):
     for kw in ({"balance_microbatches": False}, {"microbatches_per_round": 1}):  # other settings: chosen again
         _, seen = _fit_resumable(tmp_path / "other", 5, ckpt_path=ckpt[3], **kw)
         assert seen == [3, 3]
+
+
+def test_a_checkpoint_saved_after_fit_keeps_the_plan(tmp_path):
+    """`trainer.save_checkpoint` once `fit` has returned (the engine is closed) writes the plan the
+    run ended with: the same as a checkpoint written during the last step."""
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from _helpers import loader, trainer
+
+    during = ModelCheckpoint(dirpath=tmp_path / "during", save_top_k=-1)
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, profile_steps=2)
+    fit = trainer(strategy, 2, max_steps=3, enable_checkpointing=True, callbacks=[during])
+    fit.fit(CausalLMModule(tiny_hf("llama")), loader(TokenData(n=8), 8))
+    fit.save_checkpoint(tmp_path / "after.ckpt")
+    after = torch.load(tmp_path / "after.ckpt", weights_only=True)["roundpipe_plan"]
+    last = torch.load(next((tmp_path / "during").glob("*step=3.ckpt")), weights_only=True)["roundpipe_plan"]
+    assert after["choice"] is not None and after["choice"] == last["choice"]
+    assert after["settings"] == last["settings"]

@@ -141,6 +141,7 @@ def test_predicted_step_is_logged_beside_the_measured_step():
     (dict(microbatches_per_round=0), "microbatches_per_round"),
     (dict(cpu_link_bytes_per_s=-1.0), "cpu_link_bytes_per_s"),
     (dict(cpu_link_bytes_per_s="fast"), "cpu_link_bytes_per_s"),
+    (dict(cpu_link_bytes_per_s=25), r"`cpu_link_bytes_per_s` is in bytes/s and must be at least 1e\+06.*HINT: 25e9"),
     (dict(debug_copy_delay_s=-0.1), "debug_copy_delay_s"),
 ])
 def test_bad_data_path_arguments(kwargs, match):

@@ -200,6 +200,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         self._announced_auto = False
         self._warned_fused = False
         self._restored_plan: dict[str, Any] | None = None  # the checkpoint's engine state (load_checkpoint)
+        self._finished_plan: dict[str, Any] | None = None  # the last engine's state, kept at teardown
 
     # ------------------------------------------------------------------ the config's fields (read-only)
     num_microbatches = property(lambda self: self.config.num_microbatches, doc="`RoundPipeConfig.num_microbatches`.")
@@ -409,7 +410,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         """Also keeps the engine's profiling progress and automatic choice (plain values) under
         ``"roundpipe_plan"``, so a resumed fit goes on with the plan of the straight run."""
         self.wait_for_optimizer()
-        state = None if self.engine is None else plan_state(self.engine)
+        state = self._finished_plan if self.engine is None else plan_state(self.engine)
         if state is not None:
             checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -443,6 +444,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             self._async.uninstall()
             self._async = None
         if self.engine is not None:
+            self._finished_plan = plan_state(self.engine)  # for `trainer.save_checkpoint` after `fit`
             self.engine.close()
             self.engine = None
         if self._callback is not None and self.lightning_module is not None and self.lightning_module._trainer is not None:

@@ -41,6 +41,11 @@ def _settings(engine: Any) -> dict[str, Any]:
             "stage_memory_bytes": engine.stage_memory_bytes, "cpu_link_bytes_per_s": engine.cpu_link_bytes_per_s}
 
 
+_SETTING_NAMES = {"num_layers": "the model's layers", "num_devices": "`devices`", "random_layers": "the random (dropout) layers",
+                  "fused_loss": "`fused_loss`"}
+"""How the restore line names a changed setting (the others are the strategy's own keywords)."""
+
+
 def plan_state(engine: Any) -> dict[str, Any] | None:
     """The engine's profiling progress and automatic choice, as plain values; ``None`` when it
     neither profiles nor chooses (nothing to keep)."""
@@ -84,8 +89,9 @@ def restore_plan_state(engine: Any, state: dict[str, Any] | None) -> bool:
     now, saved_settings = _settings(engine), state.get("settings") or {}
     changed = [k for k in now if saved_settings.get(k, object()) != now[k]]
     if state.get("version") != _VERSION or changed:
+        names = [_SETTING_NAMES.get(k, f"`{k}`") for k in changed]
         engine.info(f"RoundPipe: the checkpoint's automatic plan was made for other settings"
-                    f" ({', '.join(f'`{k}`' for k in changed) or 'another version'}); this run profiles again.")
+                    f" ({', '.join(names) or 'another version'}); this run profiles again.")
         return False
     profiler = engine.executor.profiler
     saved = state.get("profiler") or {}
@@ -108,8 +114,7 @@ def restore_plan_state(engine: Any, state: dict[str, Any] | None) -> bool:
         engine.split_num_microbatches = choice.get("num_microbatches")
         cut = (f", the batch cut into {engine.split_num_microbatches} microbatches instead of"
                f" {engine.num_microbatches}" if engine.split_num_microbatches else "")
-        engine.info(f"RoundPipe: resumed with the checkpoint's automatic plan ({len(partition.forward_stages)} forward"
-                    f" and {len(partition.backward_stages)} backward stages,"
+        engine.info(f"RoundPipe: resumed with the checkpoint's automatic plan ({len(engine.fused_stages)} stage(s) as run,"
                     f" {describe_rounds(engine.microbatches_per_round, engine.split_num_microbatches or engine.num_microbatches)}"
                     f"{cut}); nothing is profiled again.")
     return True

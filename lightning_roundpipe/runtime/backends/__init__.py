@@ -27,7 +27,7 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
             GPUs have their real memory (a CUDA out-of-memory error is the same exception's base class).
 
     Raises:
-        ValueError: mixed device types, a bad link rate or delay, or an accelerator other than CPU
+        ValueError: mixed device types, a bad link rate (below 1e6 bytes/s too) or delay, or an accelerator other than CPU
             and CUDA (MPS, XPU... are not supported yet).
     """
     devices = [torch.device(d) for d in devices]
@@ -38,6 +38,10 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
                                                  and not isinstance(cpu_link_bytes_per_s, bool) and cpu_link_bytes_per_s > 0):
         raise ValueError(f"`cpu_link_bytes_per_s` must be a positive number of bytes/s or None, got {cpu_link_bytes_per_s!r}."
                          " HINT: 25e9 models PCIe 4.0 x16 one way.")
+    if cpu_link_bytes_per_s is not None:
+        from lightning_roundpipe.config import check_link_rate
+
+        check_link_rate(cpu_link_bytes_per_s)
     if not (isinstance(debug_copy_delay_s, (int, float)) and 0 <= debug_copy_delay_s < float("inf")):
         raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {debug_copy_delay_s!r}.")
     if device_memory_bytes is not None and (not isinstance(device_memory_bytes, int) or isinstance(device_memory_bytes, bool)

@@ -48,12 +48,16 @@ class DeviceMemoryError(torch.OutOfMemoryError):
     def __init__(self, device_index: int, where: str, asked_bytes: int, in_use_bytes: int, budget_bytes: int) -> None:
         self.device_index, self.where = device_index, where
         self.asked_bytes, self.in_use_bytes, self.budget_bytes = asked_bytes, in_use_bytes, budget_bytes
+        hint = ("a stage's weights do not fit: use smaller stages (`forward_stages`/`backward_stages` with fewer"
+                " layers each), or raise `device_memory_bytes`."
+                if "LOAD" in where else
+                "shorten the sequences, cut the batch into more microbatches (`num_microbatches`), use smaller"
+                " stages (`partition`), or raise `device_memory_bytes`; `roundpipe max-seq` finds the longest"
+                " sequence that fits.")
         super().__init__(
             f"RoundPipe: CPU virtual device {device_index} ran out of its `device_memory_bytes={budget_bytes}` at"
             f" {where}: {asked_bytes} bytes asked with {in_use_bytes} in use ({(asked_bytes + in_use_bytes) / 2**20:.1f}"
-            f" MiB > {budget_bytes / 2**20:.1f} MiB). HINT: shorten the sequences, cut the batch into more"
-            " microbatches (`num_microbatches`), use smaller stages (`partition`), or raise `device_memory_bytes`;"
-            " `roundpipe max-seq` finds the longest sequence that fits."
+            f" MiB > {budget_bytes / 2**20:.1f} MiB). HINT: {hint}"
         )
 
     def __reduce__(self):
