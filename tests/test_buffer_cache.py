@@ -114,13 +114,3 @@ def test_training_reuses_the_weight_buffers_across_steps_and_keeps_parity():
     assert max_diff(params(ref), params(module)) <= 1e-5
     assert len(hits.per_device) == 2 and all(h > 0 for h in hits.per_device)  # LOADs wrote into buffers a DROP freed
 
-
-def test_weights_that_do_not_fit_get_a_hint_about_stages():
-    """A budget smaller than a stage's weights fails at the LOAD; the HINT is about stages, not sequences."""
-    from _helpers import MLPModule, VectorData
-    from lightning_roundpipe.runtime.backends import DeviceMemoryError
-
-    run = trainer(lightning_roundpipe.RoundPipeStrategy(num_microbatches=2, partition="default",
-                                                        device_memory_bytes=1000), devices=2, max_steps=1)
-    with pytest.raises(DeviceMemoryError, match=r"LOAD.*HINT: a stage's weights do not fit: use smaller stages"):
-        run.fit(MLPModule(scheduler=False), loader(VectorData()))

@@ -213,3 +213,13 @@ def test_a_batch_smaller_than_num_microbatches_warns_with_a_hint():
                                          r"\(`num_microbatches=3`; .*HINT: a `batch_size` of at least 3"):
         run.fit(module, loader(VectorData(), batch_size=2))
     assert run.global_step == 2
+
+
+def test_weights_that_do_not_fit_get_a_hint_about_stages():
+    """A budget smaller than a stage's weights fails at the LOAD; the HINT is about stages, not sequences."""
+    from lightning_roundpipe.runtime.backends import DeviceMemoryError
+
+    run = trainer(lightning_roundpipe.RoundPipeStrategy(num_microbatches=2, partition="default",
+                                                        device_memory_bytes=1000), devices=2, max_steps=1)
+    with pytest.raises(DeviceMemoryError, match=r"LOAD.*HINT: a stage's weights do not fit: use smaller stages"):
+        run.fit(MLPModule(scheduler=False), loader(VectorData()))

@@ -42,7 +42,7 @@ def _settings(engine: Any) -> dict[str, Any]:
 
 
 _SETTING_NAMES = {"num_layers": "the model's layers", "num_devices": "`devices`", "random_layers": "the random (dropout) layers",
-                  "fused_loss": "`fused_loss`"}
+                  "fused_loss": "`fused_loss`", "stage_memory_bytes": "the stage memory budget (`device_memory_bytes`)"}
 """How the restore line names a changed setting (the others are the strategy's own keywords)."""
 
 
