@@ -205,6 +205,13 @@ class RoundPipeConfig:
     every copy lands this many seconds late and its destination holds NaN meanwhile, so a missing
     dependency shows up as a wrong result."""
 
+    check_streams: bool | None = None
+    """``bool`` or ``None``; default ``None``: on when the environment variable
+    ``LIGHTNING_ROUNDPIPE_CHECK_STREAMS=1`` is set (the test suite sets it), else off. CPU virtual devices
+    only: the checking mode of the CPU driver, which raises, naming the op, when an op reads or overwrites
+    a buffer whose producer or last reader its stream has not waited for (a missing dependency), at the
+    cost of some host time per op."""
+
     device_memory_bytes: int | None = None
     """``int > 0`` or ``None``, bytes; default ``None``: unlimited on CPU virtual devices, the GPU's memory on
     CUDA. Memory of one device. CPU virtual devices enforce it: a step that would hold more on a device
@@ -278,6 +285,9 @@ class RoundPipeConfig:
             raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {delay!r}."
                              " HINT: 0.05 makes a missing dependency show; 0 turns the delay off.")
         object.__setattr__(self, "debug_copy_delay_s", float(delay))
+        if self.check_streams is not None and not isinstance(self.check_streams, bool):
+            raise TypeError(f"`check_streams` must be True, False or None, got {self.check_streams!r}."
+                            " HINT: None follows LIGHTNING_ROUNDPIPE_CHECK_STREAMS.")
         if self.device_memory_bytes is not None:
             _check_positive("device_memory_bytes", self.device_memory_bytes, integer=True,
                             hint="e.g. 64 * 2**20 for 64 MiB per device")

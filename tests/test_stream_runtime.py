@@ -48,7 +48,9 @@ def test_delayed_copies_keep_parity_when_the_program_is_complete():
 
 
 def test_a_removed_edge_breaks_the_result_with_delayed_copies(monkeypatch):
-    """Drop the edge `1H2D0 -> 1F0`: with copies landing late, stage 1 computes on poison."""
+    """Drop the edge `1H2D0 -> 1F0`: with copies landing late, stage 1 computes on poison (the
+    checking mode, which would refuse the program at issue time, is off here: this is the race itself)."""
+    monkeypatch.setenv("LIGHTNING_ROUNDPIPE_CHECK_STREAMS", "0")
     real_lower = engine_module.lower
     removed = []
 

@@ -104,6 +104,9 @@ class RoundPipeMetricsCallback(Callback):
         if metrics and async_optimizer is not None:
             metrics.update(async_optimizer.pop_metrics())
         metrics = node_metrics(trainer.strategy, metrics)  # several nodes: rank 0 logs every node's keys
+        peaks = engine.pop_step_memory_peaks()
+        if metrics and peaks is not None:
+            metrics.update({f"roundpipe/device{i}/peak_memory(GiB)": peak / 2**30 for i, peak in enumerate(peaks)})
         if metrics:
             precision = trainer.strategy.precision_plugin
             dtype = getattr(precision, "autocast_dtype", None) or getattr(precision, "compute_dtype", None)

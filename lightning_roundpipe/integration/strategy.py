@@ -81,7 +81,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     Args:
         num_microbatches, module, partition, profile_steps, fused_loss, forward_stages,
             backward_stages, chunk_bytes, microbatches_per_round, balance_microbatches, cpu_link_bytes_per_s,
-            debug_copy_delay_s, device_memory_bytes, optimizer, trace_every_n_steps, peak_flops, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
+            debug_copy_delay_s, check_streams, device_memory_bytes, optimizer, trace_every_n_steps, peak_flops, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
             (type, unit, default and meaning are documented there), gathered into :attr:`config`. In
             short: ``num_microbatches`` (default devices + 1), ``module`` (the attribute to pipeline),
             ``partition`` (``"auto"``: re-cut from ``profile_steps`` profiled steps), ``fused_loss``
@@ -164,6 +164,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         balance_microbatches: bool = True,
         cpu_link_bytes_per_s: float | None = None,
         debug_copy_delay_s: float = 0.0,
+        check_streams: bool | None = None,
         device_memory_bytes: int | None = None,
         optimizer: str = "sync",
         trace_every_n_steps: int | None = DEFAULT_TRACE_EVERY_N_STEPS,
@@ -181,7 +182,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
                  "backward_stages": backward_stages, "chunk_bytes": chunk_bytes,
                  "microbatches_per_round": microbatches_per_round, "balance_microbatches": balance_microbatches,
                  "cpu_link_bytes_per_s": cpu_link_bytes_per_s,
-                 "debug_copy_delay_s": debug_copy_delay_s,
+                 "debug_copy_delay_s": debug_copy_delay_s, "check_streams": check_streams,
                  "device_memory_bytes": device_memory_bytes, "optimizer": optimizer,
                  "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops,
                  "data_parallel": DataParallel() if data_parallel is None else data_parallel}

@@ -1,9 +1,13 @@
 """The planner's longest sequence for a given set of stages and a device memory (issue 10, item 5).
 
 Memory of a device while it runs stage ``k`` (round robin: stage ``k`` runs on device ``k mod D``, and
-the device prefetches the weights of its next stage, ``k + D``, while ``k`` computes):
+the device prefetches the weights of its next stage while ``k`` computes). The runtime keeps every
+device's stage weights in a pool of two slots, each as large as the largest stage
+(:mod:`lightning_roundpipe.runtime.backends.pool`), so:
 
-    peak(k) = stage_memory(k) + param_bytes(stage k + D)
+    peak(k) = stage_memory(k) - param_bytes(k) + slots * max_j param_bytes(j)
+
+(``slots`` = 2, or 1 when no device runs more than one stage).
 
 with :func:`~lightning_roundpipe.partition.partitioner.stage_memory` (weights, gradients, saved
 activations, stage input and output of one microbatch) for backward stages and the fused tail, and
@@ -40,7 +44,9 @@ def peak_device_memory_bytes(mp: ModelledProfiles, stages: Stages, num_devices: 
             raise ValueError(f"Stage kind must be 'forward', 'fused' or 'backward', got {kind!r}.")
         mems.append(stage_memory(mp.profiles, layers, kind, mp.saved_activation_bytes))
         params.append(sum(mp.profiles[i].param_bytes for i in layers))
-    return max(m + (params[k + num_devices] if k + num_devices < len(stages) else 0) for k, m in enumerate(mems))
+    slots = 2 if len(stages) > num_devices else 1  # a device that runs one stage never prefetches
+    pool = slots * max(params, default=0)
+    return max(m - params[k] + pool for k, m in enumerate(mems))
 
 
 def planned_max_seq_len(modelled: Callable[[int], ModelledProfiles], stages: Stages, num_devices: int,

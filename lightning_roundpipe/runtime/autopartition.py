@@ -219,13 +219,17 @@ def simulated_step_s(engine: Any, partition: PartitionPlan, profiles: Sequence[L
 
 
 def hardware_model(engine: Any):
-    """The link model the prediction uses: on CUDA the measured pinned H2D/D2H rates of the first
-    GPU (bytes/s; duplex taken as the H2D rate); on CPU virtual devices the modelled link, or
+    """The link model the prediction uses: on CUDA the pinned H2D/D2H rates measured with every GPU
+    copying at once, the slowest GPU's (bytes/s; duplex taken as the H2D rate); on CPU virtual devices the modelled link, or
     ``None`` when copies are unthrottled (transfers then cost nothing in the prediction)."""
     from lightning_roundpipe.partition.profile import HardwareModel
 
     if engine.backends[0].is_cuda:
-        h2d, d2h = engine.backends[0].measure_link()
+        from lightning_roundpipe.runtime.backends.cuda import measure_links
+
+        cached = getattr(engine, "_measured_links", None)
+        h2d, d2h = cached if cached is not None else measure_links(engine.backends)
+        engine._measured_links = (h2d, d2h)
     elif engine.cpu_link_bytes_per_s is not None:
         h2d = d2h = engine.cpu_link_bytes_per_s
     else:

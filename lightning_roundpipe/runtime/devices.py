@@ -1,10 +1,10 @@
 """`StreamThread`: one host thread that runs the jobs given to it, in order.
 
-Every stream of every device (``weights``, ``h2d``, ``compute``, ``d2h``) has one such thread, which
-walks that stream's op list of the stream program (:mod:`lightning_roundpipe.runtime.executor`). On
-CPU virtual devices the thread does the work itself (``torch.set_num_threads(1)``: one core per
-compute stream); on CUDA it enqueues the work on its CUDA stream. Grad mode and autocast are
-thread-local: jobs set them.
+Every stream of every device (``weights``, ``h2d``, ``compute``, ``d2h``) has one such *issuing*
+thread, which walks that stream's op list of the stream program (:mod:`lightning_roundpipe.runtime.executor`)
+and enqueues each op through the driver: on CUDA the op's kernels go on its CUDA stream; on CPU virtual
+devices the op goes to the stream's worker (:class:`~lightning_roundpipe.runtime.backends.cpu.CpuStream`),
+which runs it later. Grad mode and autocast are thread-local: ops set them where they run.
 """
 
 from __future__ import annotations

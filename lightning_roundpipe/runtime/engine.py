@@ -73,6 +73,7 @@ class RoundPipeEngine:
             with ``auto_partition_after_steps``, the rounds the automatic choice finds fastest.
         cpu_link_bytes_per_s: CPU virtual devices: modelled host link rate per direction, bytes/s
             (``None``: unthrottled copies).
+        check_streams: CPU virtual devices: the stream checking mode (``None``: the environment variable).
         debug_copy_delay_s: CPU virtual devices, debugging: every copy lands this many seconds late
             (its destination holds NaN meanwhile), so a missing dependency gives a wrong result.
         device_memory_bytes: memory budget of each device, bytes: enforced on CPU virtual devices
@@ -102,7 +103,8 @@ class RoundPipeEngine:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, microbatches_per_round: int | None = None,
                  cpu_link_bytes_per_s: float | None = None, debug_copy_delay_s: float = 0.0,
                  profile_steps: int | None = None, loss_seed: Callable[[], float] | None = None,
-                 device_memory_bytes: int | None = None, balance_microbatches: bool = False) -> None:
+                 device_memory_bytes: int | None = None, balance_microbatches: bool = False,
+                 check_streams: bool | None = None) -> None:
         if not devices:
             raise ValueError("`devices` is empty: RoundPipe needs at least one device.")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -120,7 +122,8 @@ class RoundPipeEngine:
         self.balance_microbatches = balance_microbatches
         self.split_num_microbatches: int | None = None  # the automatic choice's finer cut of the batch, if any
         self.cpu_link_bytes_per_s = cpu_link_bytes_per_s
-        self.backends = make_backends(self.devices, cpu_link_bytes_per_s, debug_copy_delay_s, device_memory_bytes)
+        self.backends = make_backends(self.devices, cpu_link_bytes_per_s, debug_copy_delay_s, device_memory_bytes,
+                                      check_streams)
         self.device_memory_bytes = device_memory_bytes
         if stage_memory_bytes is None and device_memory_bytes is not None:
             stage_memory_bytes = device_memory_bytes // 2  # double buffering: the next stage is prefetched
@@ -198,7 +201,7 @@ class RoundPipeEngine:
                    cpu_link_bytes_per_s=config.cpu_link_bytes_per_s, debug_copy_delay_s=config.debug_copy_delay_s,
                    device_memory_bytes=config.device_memory_bytes,
                    profile_steps=config.profile_steps if fitting else None, loss_seed=loss_seed,
-                   balance_microbatches=config.balance_microbatches)
+                   balance_microbatches=config.balance_microbatches, check_streams=config.check_streams)
 
     def pop_device_memory_peaks(self) -> list[int] | None:
         """Per CPU virtual device, the most bytes live at once (weights, activations, op outputs)
@@ -207,6 +210,12 @@ class RoundPipeEngine:
         if any(ledger is None for ledger in ledgers):
             return None
         return [ledger.pop_peak() for ledger in ledgers]
+
+    def pop_step_memory_peaks(self) -> list[int] | None:
+        """Per device, the most bytes allocated at once since the last call (the per-step metric
+        ``roundpipe/device{i}/peak_memory(GiB)``; CUDA and budgeted CPU virtual devices), else ``None``."""
+        peaks = [b.pop_step_memory_peak() for b in self.backends]
+        return None if any(p is None for p in peaks) else peaks
 
     # ------------------------------------------------------------------ install / close
     def install(self) -> None:

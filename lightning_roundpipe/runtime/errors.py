@@ -120,4 +120,17 @@ class ErrorNotes:
             stage += f" = `{first}`" if first == last else f" = `{first}` .. `{last}`"
         except Exception:  # never hide the user's error behind one of ours
             where = None
-        return context_note(device_index, device, str(op), stream, stage, op.microbatch_index, layer_name, where)
+        note = context_note(device_index, device, str(op), stream, stage, op.microbatch_index, layer_name, where)
+        return note + oom_hint(error)
+
+
+def oom_hint(error: BaseException) -> str:
+    """A device out-of-memory error's HINT (the CPU budget's own error carries one already)."""
+    import torch
+
+    if not isinstance(error, torch.OutOfMemoryError) or hasattr(error, "budget_bytes"):
+        return ""
+    return (". HINT: the device ran out of memory in this op (torch's message above gives the bytes): use smaller"
+            " stages (`partition='auto'`, or shorter `forward_stages`/`backward_stages`), fewer microbatches in"
+            " flight (`microbatches_per_round`), or a smaller microbatch or sequence; the stage weight pool holds two"
+            " slots of the largest stage on every device")

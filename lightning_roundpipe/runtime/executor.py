@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,7 +41,9 @@ from torch.utils import _pytree as pytree
 from lightning_roundpipe.adapters.base import LayerSequence
 from lightning_roundpipe.adapters.chunked_loss import loss_only
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
+from lightning_roundpipe.runtime.access import op_access, round_of
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
+from lightning_roundpipe.runtime.backends.pool import pool_slots
 from lightning_roundpipe.runtime.carry import diff_leaves, grad_leaves, grad_positions, snapshot
 from lightning_roundpipe.runtime.devices import StreamThread
 from lightning_roundpipe.runtime.errors import ErrorNotes
@@ -114,7 +117,9 @@ class ProgramRun:
         self.error: BaseException | None = None
         self.error_context = ""
         self._lock = threading.Lock()
-        self.spans: list[tuple[int, Op, Callable[[], tuple[float, float]], int]] = []
+        self.spans: list[tuple[int, Op, Callable[[], tuple[float, float]]]] = []
+        self.profile_marks: list = []  # (backend, kind, {layer: (start, end)}, whole backward marks or None)
+        self.nbytes: dict[Op, int] = {}
         self.resident_bytes = [0] * num_devices
         self.peak_resident_bytes = [0] * num_devices
         # host inputs read by several uploads (a boundary the next forward stage and a backward
@@ -213,6 +218,13 @@ class Executor:
             OpKind.D2H: self._d2h, OpKind.WD2H: self._wd2h, OpKind.DROP: self._drop,
         }
 
+    @property
+    def current_run(self) -> "ProgramRun | None":
+        """The program run in progress or last run (its ``issued`` flags show how far the host has
+        issued); ``None`` once nothing references it."""
+        ref = getattr(self, "_current", None)
+        return ref() if ref is not None else None
+
     def pop_peak_grad_bytes(self) -> int:
         """Most bytes the gradients held at once during the programs since the last call: the
         masters' ``.grad`` plus the host gradient buffers (``WD2H`` downloads not yet added, the
@@ -238,22 +250,35 @@ class Executor:
             if op.kind not in self._dispatch:
                 raise NotImplementedError(f"The runtime cannot execute `{op}` ({op.kind.value} ops are simulator-only).")
         self.store.refresh()
+        self._reserve_pools(program)
+        checker = self.backends[0].checker if self.backends else None
+        if checker is not None:
+            checker.reset(program)
         run = ProgramRun(program, state, len(self.backends))
+        self._current = weakref.ref(run)
         for backend in self.backends:
             backend.begin()
         jobs = [backend.threads[stream].submit(lambda b=backend, s=stream: self._stream_job(b, s, run))
                 for backend in self.backends for stream in STREAMS if program.streams[backend.device_index][stream]]
         jobs.append(self.host.submit(lambda: self._commit_grads(run)))
         try:
-            for job in jobs:
-                while not job.wait(_POLL_S):
-                    if not all(b.alive for b in self.backends) or not self.host.alive:
-                        run.fail(RuntimeError("a RoundPipe stream thread died"), "RoundPipe: runtime")
+            self._wait_jobs(jobs, run)
+            for backend in self.backends:  # the devices finish what the host issued (failed ops are skipped)
+                backend.synchronize()
         except BaseException:  # KeyboardInterrupt in the main thread: stop the threads, then re-raise
             run.abort.set()
             for job in jobs:
                 job.wait(30)
+            for backend in self.backends:
+                backend.synchronize()
             raise
+        for backend in self.backends:
+            for error in backend.stream_errors():
+                run.fail(error, f"RoundPipe: device {backend.device_index} stream worker")
+        if checker is not None:
+            checker.reset()  # everything issued has completed
+        if run.profile_marks and run.error is None and self.profiler is not None:
+            self._record_profile(run)
         self.peak_grad_bytes = max(self.peak_grad_bytes, run.peak_grad_bytes)
         if run.error is not None:
             run.resident.clear()
@@ -267,21 +292,40 @@ class Executor:
                 raise error
             finally:
                 del error
-        for backend in self.backends:
-            backend.synchronize()
         wall = time.perf_counter() - run.t0
         intervals = []
-        for device_index, op, span, nbytes in run.spans:
+        for device_index, op, span in run.spans:
             start, end = span()
+            nbytes = run.nbytes.get(op, 0)
             kind = op.kind.value if op.kind.is_compute else ("H2D" if op.stream in ("weights", "h2d") else "D2H")
             intervals.append(Interval(device_index, kind, op.stage_index, op.microbatch_index, start - run.t0,
                                       end - run.t0, nbytes, stream=op.stream, label=str(op)))
         return Timeline(len(self.backends), intervals, wall_s=wall, peak_resident_bytes=run.peak_resident_bytes,
                         origin_s=run.t0)
 
+    def _wait_jobs(self, jobs: list, run: ProgramRun) -> None:
+        for job in jobs:
+            while not job.wait(_POLL_S):
+                if not all(b.alive for b in self.backends) or not self.host.alive:
+                    run.fail(RuntimeError("a RoundPipe stream thread died"), "RoundPipe: runtime")
+
+    def _reserve_pools(self, program: StreamProgram) -> None:
+        """Before a program is issued: every device's pool has a slot per stage it holds at once,
+        each as large as the program's largest stage (allocated only when that grows)."""
+        slots = pool_slots(program.plan)
+        largest = max((self.store.layout(program.plan.stages[s].layers).total_bytes for _, s, _ in slots), default=0)
+        for backend in self.backends:
+            mine = [slot for (d, _, _), slot in slots.items() if d == backend.device_index]
+            if mine:
+                backend.pool.reserve(max(mine) + 1, largest)
+
     def _stream_job(self, backend: Backend, stream: str, run: ProgramRun) -> None:
+        """The issuing thread of one (device, stream): for each op, wait until its producers are
+        issued, make the stream wait for their events, enqueue the op, record its event. It never
+        waits for the device."""
         op = None
         deps = run.program.deps
+        num_layers, keep = len(self.seq.layers), run.state.keep
         try:
             with backend.stream_context(stream):
                 for op in run.program.streams[backend.device_index][stream]:
@@ -292,13 +336,30 @@ class Executor:
                         event = run.events.get(dep)
                         if event is not None:
                             backend.wait_event(stream, event)
+                    access = op_access(run.program, op, backend.device_index, num_layers, keep) \
+                        if backend.checker is not None else None
                     start = backend.timer_start(stream)
-                    with backend.op_scope(stream, f"stage {op.stage_index}, {op}"):
-                        nbytes = self._dispatch[op.kind](backend, op, run)
+                    backend.launch(stream, lambda op=op: self._execute(backend, stream, op, run), access,
+                                   str(op), op)
                     run.events[op] = backend.record(stream)
                     if op.kind is not OpKind.DROP:
-                        run.spans.append((backend.device_index, op, backend.timer_span(stream, start), nbytes or 0))
+                        run.spans.append((backend.device_index, op, backend.timer_span(stream, start)))
                     run.issued[op].set()
+        except _Aborted:
+            return
+        except BaseException as error:
+            run.fail(error, self.error_notes.note(error, backend.device_index, str(backend.device), op, stream,
+                                                  run.plan.stages[op.stage_index], self.replicas[backend.device_index]))
+
+    def _execute(self, backend: Backend, stream: str, op: Op, run: ProgramRun) -> None:
+        """One op's work, where the driver runs it (CUDA: the issuing thread enqueuing kernels; CPU:
+        the stream's worker). After a failure anywhere, later ops do nothing (their events still
+        complete, so nothing waits forever)."""
+        if run.abort.is_set():
+            return
+        try:
+            with backend.op_scope(stream, f"stage {op.stage_index}, {op}"):
+                run.nbytes[op] = self._dispatch[op.kind](backend, op, run) or 0
         except _Aborted:
             return
         except BaseException as error:
@@ -348,7 +409,7 @@ class Executor:
         resident = run.resident[stage_key]
         replicas = self.replicas[backend.device_index]
         prof = self.profiler if (self.profiler is not None and self.profiler.enabled and profile_kind) else None
-        times: dict[int, float] = {}
+        marks: dict[int, tuple[Any, Any]] = {}
         routing = self.seq.routing.layers if self.seq.routing is not None else frozenset()
         for li in layers:
             if on_boundary is not None and li != layers.start and li in state.keep:
@@ -357,24 +418,19 @@ class Executor:
             seed = layer_seed(state.base_seed, li, mb) if li in state.rng_layers else None
             if prof is not None:
                 prof.record_activation(li, tree_nbytes(carry))
-                backend.compute_sync()
-                started = time.perf_counter()
+                started = backend.mark()
             store = state.routing if li in routing else None
             with rng_scope(seed, backend.device, li), routing_scope(store, li, mb, replay, backend.device, run.wait):
                 carry = module(carry)
             if prof is not None:
-                backend.compute_sync()
-                times[li] = time.perf_counter() - started
-                prof.record(profile_kind, li, times[li])
-        return carry, times
+                marks[li] = (started, backend.mark())
+        if prof is not None:
+            run.profile_marks.append((backend, profile_kind, marks, None))
+        return carry, marks
 
     @staticmethod
     def _stage_key(run: ProgramRun, op: Op) -> tuple[int, int]:
-        rounds = run.program._cache.get("round_of")
-        if rounds is None:
-            rounds = run.program._cache["round_of"] = {
-                (d.stage_index, a.microbatch_index): d.round_index for d in plan_dispatches(run.plan) for a in d.computes}
-        return op.stage_index, rounds[(op.stage_index, op.microbatch_index)]
+        return op.stage_index, round_of(run.program)[(op.stage_index, op.microbatch_index)]
 
     def _leaves(self, carry: Any, start: int, run: ProgramRun) -> tuple[Any, list[torch.Tensor]]:
         """The carry a recomputation starts from (clones of fresh leaves: in-place safe) and the leaves."""
@@ -389,8 +445,9 @@ class Executor:
         spec = run.plan.stages[op.stage_index]
         layout = self.store.layout(spec.layers)
         key = (op.stage_index, op.round_index)
-        if op.chunk_index == 0:
-            buffer = backend.empty_bytes(layout.total_bytes)
+        if op.chunk_index == 0:  # the pool slot the program gives this dispatch (its release was waited for)
+            buffer = backend.pool.buffer(pool_slots(run.plan)[(backend.device_index, *key)])[:layout.total_bytes]
+            backend.poison(buffer)
             run.resident[key] = self.store.resident(layout, buffer, with_grad=spec.kind == "backward")
             run.add_resident(backend.device_index, layout.total_bytes)
         resident = run.resident[key]
@@ -469,7 +526,6 @@ class Executor:
         replicas = self.replicas[backend.device_index]
         for li in spec.layers:  # the replicas must not keep the dropped buffer alive
             replicas[li].unbind(resident.layer_tensors(li))
-        backend.release_bytes(resident.buffer)
         with run._lock:
             run.resident_bytes[backend.device_index] -= resident.nbytes
         return 0
@@ -500,7 +556,7 @@ class Executor:
                 out, layer_s = self._call_layers(backend, run, self._stage_key(run, op), spec.layers, carry, m,
                                                  profile_kind="forward")
             loss = out[self.seq.loss_key]
-            self._backprop([(loss, torch.full_like(loss, run.state.loss_seed))], layer_s, backend)
+            self._backprop([(loss, torch.full_like(loss, run.state.loss_seed))], layer_s, backend, run)
         self._accumulate(run, op)
         grads = [leaf.grad for leaf in leaves] if leaves else None
         run.slots[("out", op.stage_index, m)] = ("X", (loss.detach(), grads))
@@ -526,7 +582,7 @@ class Executor:
         pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, incoming)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         with torch.enable_grad():
-            self._backprop(pairs, layer_s, backend)
+            self._backprop(pairs, layer_s, backend, run)
         self._accumulate(run, op)
         run.slots[("out", op.stage_index, m)] = ("B", (None, [leaf.grad for leaf in leaves] if leaves else None))
         return 0
@@ -538,14 +594,26 @@ class Executor:
         if accumulator is not None:
             accumulator.add()
 
-    def _backprop(self, pairs: list, layer_s: dict[int, float], backend: Backend) -> None:
-        started = time.perf_counter()
+    def _backprop(self, pairs: list, layer_marks: dict, backend: Backend, run: ProgramRun) -> None:
+        started = backend.mark() if layer_marks else None
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if layer_s:  # profiling: split the backward over the stage's layers like their forward
-            backend.compute_sync()
-            total, whole = time.perf_counter() - started, sum(layer_s.values()) or 1.0
-            for li, sec in layer_s.items():
-                self.profiler.record("backward", li, total * sec / whole)
+        if layer_marks:  # profiling: split the backward over the stage's layers like their forward
+            run.profile_marks.append((backend, "backward", layer_marks, (started, backend.mark())))
+
+    def _record_profile(self, run: ProgramRun) -> None:
+        """After the devices synchronised: the layer times the marks measured (device events on CUDA,
+        so no host launch time is counted) into the profiler; a backward is split over its layers in
+        proportion to their forward (recompute) times."""
+        for backend, kind, marks, whole in run.profile_marks:
+            seconds = {li: backend.elapsed_s(*pair) for li, pair in marks.items()}
+            if whole is None:
+                for li, sec in seconds.items():
+                    self.profiler.record(kind, li, sec)
+                continue
+            total, forward = backend.elapsed_s(*whole), sum(seconds.values()) or 1.0
+            for li, sec in seconds.items():
+                self.profiler.record("backward", li, total * sec / forward)
+        run.profile_marks.clear()
 
 

@@ -8,13 +8,16 @@ import torch
 
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
 from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError, DeviceMemoryLedger
+from lightning_roundpipe.runtime.backends.checker import StreamChecker, StreamCheckError, checking_default
 from lightning_roundpipe.runtime.backends.cpu import CpuBackend, Link
 
-__all__ = ["Backend", "CpuBackend", "DeviceMemoryError", "DeviceMemoryLedger", "Link", "make_backends", "tree_nbytes"]
+__all__ = ["Backend", "CpuBackend", "DeviceMemoryError", "DeviceMemoryLedger", "Link", "StreamCheckError",
+           "StreamChecker", "make_backends", "tree_nbytes"]
 
 
 def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float | None = None,
-                  debug_copy_delay_s: float = 0.0, device_memory_bytes: int | None = None) -> list[Backend]:
+                  debug_copy_delay_s: float = 0.0, device_memory_bytes: int | None = None,
+                  check_streams: bool | None = None) -> list[Backend]:
     """One backend per device: :class:`CpuBackend` for ``cpu`` entries, ``CudaBackend`` for ``cuda:i``.
 
     Args:
@@ -25,6 +28,9 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
         device_memory_bytes: CPU virtual devices: each device's memory budget, enforced as
             :class:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryError` (``None``: unlimited);
             GPUs have their real memory (a CUDA out-of-memory error is the same exception's base class).
+        check_streams: CPU virtual devices: the checking mode (one
+            :class:`~lightning_roundpipe.runtime.backends.checker.StreamChecker` for all devices);
+            ``None``: on when ``LIGHTNING_ROUNDPIPE_CHECK_STREAMS=1`` (the test suite sets it).
 
     Raises:
         ValueError: mixed device types, a bad link rate (below 1e6 bytes/s too) or delay, or an accelerator other than CPU
@@ -50,7 +56,9 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
                          " HINT: e.g. `device_memory_bytes=64 * 2**20` for 64 MiB per CPU virtual device.")
     kind = devices[0].type if devices else "cpu"
     if kind == "cpu":
-        return [CpuBackend(i, cpu_link_bytes_per_s, debug_copy_delay_s, device_memory_bytes) for i in range(len(devices))]
+        checker = StreamChecker() if (checking_default() if check_streams is None else check_streams) else None
+        return [CpuBackend(i, cpu_link_bytes_per_s, debug_copy_delay_s, device_memory_bytes, checker)
+                for i in range(len(devices))]
     if kind == "cuda":
         from lightning_roundpipe.runtime.backends.cuda import CudaBackend
 

@@ -1,20 +1,22 @@
-"""The backend interface: what the executor needs from one device to run its four streams.
+"""The backend interface: one backend logic over two drivers (DESIGN.md section 4).
 
-The executor (:mod:`lightning_roundpipe.runtime.executor`) walks each stream's op list of the
-stream program on that stream's :class:`~lightning_roundpipe.runtime.devices.StreamThread` and asks
-the backend to move or compute data there. Two implementations:
+The executor (:mod:`lightning_roundpipe.runtime.executor`) walks each stream's op list of the stream
+program on that stream's issuing thread (:class:`~lightning_roundpipe.runtime.devices.StreamThread`)
+and, for every op, in this order: waits (on the host) until the op's producers are *issued*, makes
+its stream wait for their events (:meth:`Backend.wait_event`, across devices too), enqueues the op's
+work (:meth:`Backend.launch`) and records the op's event (:meth:`Backend.record`). It never waits for
+the device there: the host runs ahead until it needs data itself (:meth:`Backend.host_wait`,
+:meth:`Backend.synchronize`). Two drivers implement it:
 
-- :class:`~lightning_roundpipe.runtime.backends.cpu.CpuBackend`: a CPU virtual device; copies are
-  real copies done synchronously by the copy stream's thread, optionally throttled to a modelled
-  host link (bytes/s);
-- :class:`~lightning_roundpipe.runtime.backends.cuda.CudaBackend`: one GPU; ops are enqueued
-  asynchronously on four CUDA streams and ordered by CUDA events.
+- :class:`~lightning_roundpipe.runtime.backends.cuda.CudaBackend`: one GPU; ``launch`` runs the op's
+  Python on the issuing thread, which only enqueues kernels and copies on the op's CUDA stream;
+  events are CUDA events;
+- :class:`~lightning_roundpipe.runtime.backends.cpu.CpuBackend`: a CPU virtual device; ``launch``
+  enqueues the op on the stream's worker thread, which runs it later in stream order; events are
+  completed by the worker; an optional checking mode verifies every buffer access against the waits.
 
-Synchronisation contract: when a stream thread has *issued* an op it calls :meth:`Backend.record`,
-which returns a device event (``None`` on the CPU, where issued means done); a consumer on any
-device first waits until its producers are issued (a host flag), then calls
-:meth:`Backend.wait_event` on each producer's device event. The host itself waits on a device event
-(:meth:`Backend.host_wait`) only where the CPU consumes the data.
+Everything above the driver (ordering, event placement, the stage weight pool, run-ahead) is one code
+path, so every CPU test runs the logic a GPU runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from lightning_roundpipe.runtime.backends.checker import Access
+from lightning_roundpipe.runtime.backends.pool import StagePool
 from lightning_roundpipe.runtime.devices import StreamThread
 from lightning_roundpipe.schedule.program import STREAMS
 
@@ -45,15 +49,20 @@ class Backend(abc.ABC):
         device: the ``torch.device`` of the device (``cpu`` for a CPU virtual device).
 
     Attributes:
-        threads: ``threads[stream]``, one :class:`StreamThread` per stream of :data:`STREAMS`.
+        threads: ``threads[stream]``, the issuing :class:`StreamThread` of each stream of :data:`STREAMS`.
+        pool: the device's :class:`~lightning_roundpipe.runtime.backends.pool.StagePool` of stage
+            weight buffers.
+        checker: the checking mode's shared checker (``None``: off; CPU virtual devices only).
     """
 
     is_cuda = False
+    checker = None
 
     def __init__(self, device_index: int, device: torch.device) -> None:
         self.device_index = device_index
         self.device = torch.device(device)
         self.threads: dict[str, StreamThread] = {}
+        self.pool = StagePool(self.allocate_bytes)
 
     def _start_threads(self) -> None:
         for stream in STREAMS:
@@ -73,22 +82,41 @@ class Backend(abc.ABC):
             thread.close()
 
     # ------------------------------------------------------------------ ordering
+    @abc.abstractmethod
+    def launch(self, stream: str, work: Callable[[], None], access: Access | None = None, label: str = "",
+               op: Any = None) -> None:
+        """Enqueue one op's ``work()`` on ``stream`` (called by the stream's issuing thread, inside
+        :meth:`stream_context`). CUDA: runs ``work`` now (it enqueues kernels); CPU: its worker runs
+        it later, in stream order. ``access`` (the buffers it reads and writes), ``label`` and ``op``
+        feed the checking mode.
+
+        Raises:
+            StreamCheckError: checking mode, the op touches a buffer it has not waited for.
+        """
+
     def stream_context(self, stream: str):
         """Context manager making ``stream`` current in the calling thread (no-op on the CPU)."""
         return contextlib.nullcontext()
 
+    @abc.abstractmethod
     def record(self, stream: str) -> Any:
-        """After issuing an op on ``stream``: the device event a consumer waits on (``None``: done)."""
-        return None
+        """After issuing an op on ``stream``: an event that completes when the stream reaches it."""
 
+    @abc.abstractmethod
     def wait_event(self, stream: str, event: Any) -> None:
         """Make ``stream`` wait for ``event`` (recorded by any device) before its next op."""
 
+    @abc.abstractmethod
     def host_wait(self, event: Any) -> None:
         """Block the calling host thread until ``event`` has completed."""
 
+    @abc.abstractmethod
     def synchronize(self) -> None:
         """Block until every op issued on this device has completed."""
+
+    def stream_errors(self) -> list[BaseException]:
+        """Exceptions the driver caught outside any op since the last call (none on CUDA)."""
+        return []
 
     def op_scope(self, stream: str, label: str):
         """Context manager around one op of ``stream`` (``label``: its stage and op, for messages);
@@ -123,13 +151,31 @@ class Backend(abc.ABC):
         :meth:`to_device`, ``publish`` receives the host destination first."""
 
     @abc.abstractmethod
-    def empty_bytes(self, nbytes: int) -> torch.Tensor:
-        """A device buffer of ``nbytes`` bytes (``uint8``) for a stage's weights."""
+    def allocate_bytes(self, nbytes: int) -> torch.Tensor:
+        """A new device buffer of ``nbytes`` bytes (``uint8``): the stage weight pool's slots.
 
-    def release_bytes(self, buffer: torch.Tensor) -> None:
-        """The program is done with ``buffer`` (from :meth:`empty_bytes`; its stage's ``DROP``): the
-        backend may hand it to a later :meth:`empty_bytes` once nothing references it (CUDA: the
-        caching allocator does this when the last reference goes)."""
+        Raises:
+            DeviceMemoryError (CPU budget) / torch.OutOfMemoryError (CUDA): it does not fit.
+        """
+
+    def pop_step_memory_peak(self) -> int | None:
+        """Most bytes allocated on the device at once since the last call, bytes (CUDA: the caching
+        allocator's ``max_memory_allocated``; CPU virtual devices: the budget ledger's peak, ``None``
+        without ``device_memory_bytes``)."""
+        return None
+
+    @abc.abstractmethod
+    def mark(self) -> Any:
+        """Inside an op, where it runs: a time mark on the op's stream now (CUDA: a timing event on
+        the current stream; CPU: the worker's ``perf_counter``). Read with :meth:`elapsed_s` once
+        the device has synchronised."""
+
+    @abc.abstractmethod
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        """Seconds between two :meth:`mark` s (device time on CUDA)."""
+
+    def poison(self, buffer: torch.Tensor) -> None:
+        """Debug (CPU ``copy_delay_s``): fill a stage buffer with NaN before its load; else nothing."""
 
     @abc.abstractmethod
     def copy_chunk(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
@@ -140,6 +186,3 @@ class Backend(abc.ABC):
     def grads_to_host(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """D2H of a stage's gradients into one flat host buffer (pinned on CUDA), on ``d2h``; returns
         one host view per gradient (valid once the op's event completed)."""
-
-    def compute_sync(self) -> None:
-        """Wait until the compute stream is idle (profiling only)."""

@@ -4,7 +4,7 @@ A CPU virtual device's "device memory" is ordinary host memory, so nothing would
 With ``device_memory_bytes`` set, each :class:`~lightning_roundpipe.runtime.backends.cpu.CpuBackend`
 keeps a :class:`DeviceMemoryLedger` of the bytes that live on it:
 
-- **weights**: a stage's flat weight buffer (``empty_bytes``), checked *before* it is allocated;
+- **weights**: the stage weight pool's slots (``allocate_bytes``), checked *before* they are allocated;
 - **activations** uploaded by ``h2d`` (inputs, incoming gradients), checked before the copy;
 - **everything the device's compute creates**: a ``TorchDispatchMode`` on the compute thread counts
   the storage of every op output (forward, recomputation, autograd's backward, the weight-gradient
@@ -74,6 +74,7 @@ class DeviceMemoryLedger:
     Attributes:
         in_use_bytes: bytes live now.
         peak_bytes: most bytes live at once since the last :meth:`pop_peak`.
+        step_peak_bytes: the same since the last :meth:`pop_step_peak` (the per-step metric's own counter).
     """
 
     def __init__(self, device_index: int, budget_bytes: int) -> None:
@@ -81,6 +82,7 @@ class DeviceMemoryLedger:
         self.budget_bytes = int(budget_bytes)
         self.in_use_bytes = 0
         self.peak_bytes = 0
+        self.step_peak_bytes = 0
         self._storages: dict[int, int] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -93,6 +95,12 @@ class DeviceMemoryLedger:
     @property
     def where(self) -> str:
         return getattr(self._local, "where", "an unlabelled allocation")
+
+    def pop_step_peak(self) -> int:
+        """:attr:`step_peak_bytes`, then restart it from the bytes in use."""
+        with self._lock:
+            out, self.step_peak_bytes = self.step_peak_bytes, self.in_use_bytes
+        return out
 
     def pop_peak(self) -> int:
         """The peak since the last call, then restart it from the bytes in use."""
@@ -129,6 +137,7 @@ class DeviceMemoryLedger:
                 self._storages[key] = nbytes
                 self.in_use_bytes += nbytes
                 self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+                self.step_peak_bytes = max(self.step_peak_bytes, self.in_use_bytes)
         if error is not None:
             raise error
         weakref.finalize(storage, self._release, key)

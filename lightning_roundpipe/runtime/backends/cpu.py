@@ -1,10 +1,19 @@
-"""CPU virtual devices: a compute thread and copy-engine threads per device (DESIGN.md section 4).
+"""CPU virtual devices: the asynchronous CPU driver (DESIGN.md section 4).
 
-A CPU virtual device has the same four streams as a GPU, each a host thread walking its op list:
-``compute`` runs the layers with ``torch.set_num_threads(1)`` (one core); ``weights``, ``h2d`` and
-``d2h`` are its copy engines. Uploads and downloads are real copies into and out of device-local
-tensors, done by the copy thread in program order, so transfers overlap compute exactly as they
-would on a GPU (and a missing dependency edge is a real race).
+A CPU virtual device has the same four streams as a GPU (``weights``, ``h2d``, ``compute``, ``d2h``),
+and the same contract: the executor's issuing thread of a stream *enqueues* each op and runs ahead;
+the op runs later, in stream order, on that stream's own worker thread (:class:`CpuStream`), exactly
+as a GPU runs a CUDA stream's kernels after the host has moved on. Events are real objects
+(:class:`CpuEvent`): ``record`` enqueues a marker that completes the event when the worker reaches it;
+``wait_event`` enqueues a marker that blocks the worker until the event completes (on any device);
+the host waits only on events (``host_wait``, ``synchronize``). ``compute`` runs the layers with
+``torch.set_num_threads(1)`` (one core); ``weights``, ``h2d`` and ``d2h`` are the copy engines, whose
+copies are real copies into and out of device-local tensors, so transfers overlap compute as on a GPU
+and a missing dependency edge is a real race.
+
+Checking mode (``check_streams``): a :class:`~lightning_roundpipe.runtime.backends.checker.StreamChecker`
+shared by all devices sees every op's buffer accesses and every wait when they are issued, and raises
+when an op touches a buffer it has not waited for (the test suite runs with it on).
 
 Links: the ``weights`` and ``h2d`` streams share one H2D link, ``d2h`` has its own D2H link (a GPU's
 two copy engines). A link carries one transfer at a time; when both H2D streams wait for it, the
@@ -12,8 +21,8 @@ activation upload goes first (paper section 3.3). With ``link_bytes_per_s`` set,
 at least ``bytes / link_bytes_per_s`` seconds (the modelled PCIe regime); ``None``: as fast as the
 copy runs.
 
-Memory budget: with ``device_memory_bytes`` set, the device counts the bytes that live on it (weights,
-uploaded activations, everything its compute creates) and raises
+Memory budget: with ``device_memory_bytes`` set, the device counts the bytes that live on it (the
+stage weight pool, uploaded activations, everything its compute creates) and raises
 :class:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryError` before the budget would be
 exceeded (:mod:`~lightning_roundpipe.runtime.backends.budget`).
 
@@ -25,6 +34,7 @@ copy (a missing edge) computes on poison and gives a wrong result.
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from typing import Any, Callable
@@ -34,9 +44,89 @@ from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.runtime.backends.base import Backend, Publish, tree_nbytes
 from lightning_roundpipe.runtime.backends.budget import DeviceMemoryLedger
-from lightning_roundpipe.runtime.backends.buffer_cache import BufferCache
+from lightning_roundpipe.runtime.backends.checker import Access, StreamChecker
+from lightning_roundpipe.schedule.program import STREAMS
 
 _ACTIVATION, _WEIGHTS = 0, 1
+_POLL_S = 0.05
+
+
+class CpuEvent:
+    """An event of a CPU virtual device's stream: completes when the stream's worker reaches it.
+
+    Attributes:
+        time_s: host ``perf_counter`` when it completed (``None`` before), seconds.
+        clock: the checking mode's vector clock at record time (``None`` without checking).
+    """
+
+    __slots__ = ("_done", "time_s", "clock")
+
+    def __init__(self, clock: dict | None = None) -> None:
+        self._done = threading.Event()
+        self.time_s: float | None = None
+        self.clock = clock
+
+    def complete(self) -> None:
+        self.time_s = time.perf_counter()
+        self._done.set()
+
+    def query(self) -> bool:
+        """Whether the event has completed (as ``torch.cuda.Event.query``)."""
+        return self._done.is_set()
+
+    def synchronize(self, alive: Callable[[], bool] | None = None) -> None:
+        """Block the calling thread until the event completes (``alive() is False`` stops waiting)."""
+        while not self._done.wait(_POLL_S):
+            if alive is not None and not alive():
+                raise RuntimeError("a RoundPipe CPU stream worker stopped before completing an event")
+
+
+class CpuStream:
+    """One stream of a CPU virtual device: a worker thread that runs enqueued work in order.
+
+    Args:
+        name: thread name (``roundpipe-device0-compute-worker``).
+        gate: the device's gate: work runs only while it is set (:meth:`CpuBackend.pause`).
+
+    Work items never raise into the worker: ops catch their own errors (the executor records them);
+    an unexpected exception is kept in :attr:`error` and the worker goes on, so every event still
+    completes and nothing waits forever.
+    """
+
+    def __init__(self, name: str, gate: threading.Event) -> None:
+        self._items: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
+        self._gate = gate
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        torch.set_num_threads(1)
+        while True:
+            item = self._items.get()
+            if item is None:
+                return
+            while not self._gate.wait(_POLL_S):
+                pass
+            try:
+                item()
+            except BaseException as error:  # noqa: BLE001 - kept for the executor; the stream goes on
+                self.error = error
+            finally:
+                item = None  # the closure (a run, a traceback) must not outlive it
+
+    def put(self, item: Callable[[], None]) -> None:
+        self._items.put(item)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self._gate.set()
+            self._items.put(None)
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
 
 class Link:
@@ -80,35 +170,53 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
 
 
 class CpuBackend(Backend):
-    """A CPU virtual device.
+    """A CPU virtual device: the asynchronous CPU driver (see the module docstring).
 
     Args:
         device_index: position in the device list.
         link_bytes_per_s: modelled host link rate per direction, bytes/s (``None``: unthrottled).
         copy_delay_s: debug: delay before each copy's data lands, seconds (0: off).
         device_memory_bytes: the device's memory budget, bytes (``None``: unlimited).
+        checker: the checking mode's :class:`StreamChecker`, shared by all devices (``None``: off).
 
     Attributes:
         memory: the :class:`DeviceMemoryLedger` of the budget (``None`` without one).
-        buffers: the :class:`~lightning_roundpipe.runtime.backends.buffer_cache.BufferCache` of stage
-            weight buffers, as a GPU's caching allocator keeps them (``None`` with a memory budget,
-            where every buffer is allocated and counted anew).
+        streams: ``streams[stream]``, the :class:`CpuStream` worker of each stream.
+        checker: the :class:`StreamChecker` (``None`` when checking is off).
     """
 
     def __init__(self, device_index: int, link_bytes_per_s: float | None = None, copy_delay_s: float = 0.0,
-                 device_memory_bytes: int | None = None) -> None:
+                 device_memory_bytes: int | None = None, checker: StreamChecker | None = None) -> None:
         super().__init__(device_index, torch.device("cpu"))
         self.h2d_link = Link(link_bytes_per_s)
         self.d2h_link = Link(link_bytes_per_s)
         self.copy_delay_s = float(copy_delay_s)
         self.memory = None if device_memory_bytes is None else DeviceMemoryLedger(device_index, device_memory_bytes)
-        self.buffers = BufferCache() if self.memory is None else None
+        self.checker = checker
+        self._gate = threading.Event()
+        self._gate.set()
+        self.streams = {stream: CpuStream(f"roundpipe-device{device_index}-{stream}-worker", self._gate)
+                        for stream in STREAMS}
         self._start_threads()
+
+    @property
+    def alive(self) -> bool:
+        return super().alive and all(w.alive for w in self.streams.values())
 
     def close(self) -> None:
         super().close()
-        if self.buffers is not None:
-            self.buffers.clear()
+        for worker in self.streams.values():
+            worker.close()
+        self.pool.clear()
+
+    def pause(self) -> None:
+        """Hold every stream's worker before its next item (the host keeps issuing): tests and
+        debugging use it to show what the host issues ahead of the device."""
+        self._gate.clear()
+
+    def resume(self) -> None:
+        """Let the workers run again after :meth:`pause`."""
+        self._gate.set()
 
     def op_scope(self, stream: str, label: str):
         if self.memory is None:
@@ -119,13 +227,50 @@ class CpuBackend(Backend):
     def _thread_setup(self, stream: str) -> None:
         torch.set_num_threads(1)
 
-    # ------------------------------------------------------------------ timing
-    def timer_start(self, stream: str) -> float:
-        return time.perf_counter()
+    # ------------------------------------------------------------------ ordering
+    def launch(self, stream: str, work: Callable[[], None], access: Access | None = None, label: str = "",
+               op: Any = None) -> None:
+        if self.checker is not None and access is not None:
+            self.checker.issue((self.device_index, stream), label, access, op)
+        self.streams[stream].put(work)
 
-    def timer_span(self, stream: str, start: float) -> Callable[[], tuple[float, float]]:
-        end = time.perf_counter()
-        return lambda: (start, end)
+    def record(self, stream: str) -> CpuEvent:
+        event = CpuEvent(self.checker.record((self.device_index, stream)) if self.checker is not None else None)
+        self.streams[stream].put(event.complete)
+        return event
+
+    def wait_event(self, stream: str, event: Any) -> None:
+        if self.checker is not None:
+            self.checker.wait((self.device_index, stream), event.clock)
+        worker = self.streams[stream]
+        self.streams[stream].put(lambda: event.synchronize(lambda: worker.alive))
+
+    def host_wait(self, event: Any) -> None:
+        event.synchronize(lambda: self.alive)
+
+    def synchronize(self) -> None:
+        for stream in STREAMS:
+            self.record(stream).synchronize(lambda: self.alive)
+
+    def stream_errors(self) -> list[BaseException]:
+        """Unexpected exceptions the workers caught since the last call (ops report their own)."""
+        out = []
+        for worker in self.streams.values():
+            if worker.error is not None:
+                out.append(worker.error)
+                worker.error = None
+        return out
+
+    # ------------------------------------------------------------------ timing
+    def timer_start(self, stream: str) -> CpuEvent:
+        event = CpuEvent()
+        self.streams[stream].put(event.complete)
+        return event
+
+    def timer_span(self, stream: str, start: CpuEvent) -> Callable[[], tuple[float, float]]:
+        end = CpuEvent()
+        self.streams[stream].put(end.complete)
+        return lambda: (start.time_s, end.time_s)
 
     # ------------------------------------------------------------------ data
     def _copy_tree(self, tree: Any, publish: Publish, link: Link, priority: int, to_device: bool = False) -> int:
@@ -162,23 +307,27 @@ class CpuBackend(Backend):
     def to_host(self, tree: Any, publish: Publish) -> int:
         return self._copy_tree(tree, publish, self.d2h_link, _ACTIVATION)
 
-    def empty_bytes(self, nbytes: int) -> torch.Tensor:
-        buf = self.buffers.take(nbytes) if self.buffers is not None else None
-        if buf is None:
-            if self.memory is not None:
-                self.memory.check(nbytes)  # before the stage's weight buffer is allocated
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            if self.memory is not None:
-                self.memory.track(buf)
-            if self.buffers is not None:
-                self.buffers.register(buf)
-        if self.copy_delay_s:
-            buf.fill_(255)  # NaN in every float format
-        return buf
+    def allocate_bytes(self, nbytes: int) -> torch.Tensor:
+        if self.memory is not None:
+            self.memory.set_where(f"the stage weight pool, before any LOAD (a slot for the largest stage, {nbytes} bytes)")
+            self.memory.check(nbytes)  # before the pool's buffer is allocated
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if self.memory is not None:
+            self.memory.track(buffer)
+        return buffer
 
-    def release_bytes(self, buffer: torch.Tensor) -> None:
-        if self.buffers is not None:
-            self.buffers.give(buffer)
+    def mark(self) -> float:
+        return time.perf_counter()  # the op runs on this stream's worker: its clock is the stream's
+
+    def elapsed_s(self, start: float, end: float) -> float:
+        return end - start
+
+    def pop_step_memory_peak(self) -> int | None:
+        return None if self.memory is None else self.memory.pop_step_peak()
+
+    def poison(self, buffer: torch.Tensor) -> None:
+        if self.copy_delay_s:
+            buffer.fill_(255)  # NaN in every float format
 
     def copy_chunk(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
         with self.h2d_link.transfer(nbytes, _WEIGHTS):

@@ -9,7 +9,9 @@ events, across devices too. The host blocks on an event only where the CPU consu
 host gradient accumulation (``host_wait``) and the end of a program (``synchronize``: loss, outputs
 and input gradients handed back to Lightning).
 
-Pinned host memory comes from torch's caching host allocator (``pin_memory=True``), which reuses a
+Stage weight buffers come from the device's pool (:mod:`~lightning_roundpipe.runtime.backends.pool`),
+allocated once and reused along the program's ``DROP`` -> ``LOAD`` edges. Pinned host memory for
+activations comes from torch's caching host allocator (``pin_memory=True``), which reuses a
 block once the copies that used it have completed, so activation buffers are a reused pinned pool
 without a pool of our own. Stream priority alone does not order the copy engine's DMA; the stream
 program's edges do (activations before weights, paper section 3.3). Op times come from CUDA events
@@ -60,6 +62,9 @@ class CudaBackend(Backend):
         torch.cuda.set_device(self.device)
 
     # ------------------------------------------------------------------ ordering
+    def launch(self, stream: str, work, access=None, label: str = "", op: Any = None) -> None:
+        work()  # on the issuing thread, inside torch.cuda.stream(...): enqueues the op's kernels and copies
+
     def stream_context(self, stream: str):
         return torch.cuda.stream(self.streams[stream])
 
@@ -76,9 +81,6 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
-
-    def compute_sync(self) -> None:
-        self.streams["compute"].synchronize()
 
     # ------------------------------------------------------------------ timing
     def begin(self) -> None:
@@ -105,24 +107,11 @@ class CudaBackend(Backend):
         return span
 
     def measure_link(self, nbytes: int = 64 * 2**20) -> tuple[float, float]:
-        """Measured pinned H2D and D2H rates of this GPU's link, bytes/s (one ``nbytes`` copy each way,
-        timed with CUDA events after one warm-up copy); cached."""
+        """This GPU's pinned H2D and D2H rates, bytes/s, measured with every GPU of its group copying
+        at once (:func:`measure_links`; GPUs behind one PCIe switch share it); cached."""
         cached = getattr(self, "_link", None)
-        if cached is not None:
-            return cached
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        with torch.cuda.device(self.device):
-            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            rates = []
-            for dst, src in ((dev, host), (host, dev)):
-                dst.copy_(src, non_blocking=True)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                dst.copy_(src, non_blocking=True)
-                end.record()
-                end.synchronize()
-                rates.append(nbytes / (start.elapsed_time(end) / 1e3))
-        self._link = (rates[0], rates[1])
+        if cached is None:
+            measure_links([self], nbytes)
         return self._link
 
     # ------------------------------------------------------------------ data
@@ -157,11 +146,24 @@ class CudaBackend(Backend):
         publish(out)
         return tree_nbytes(out)
 
-    def empty_bytes(self, nbytes: int) -> torch.Tensor:
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        for stream in ("compute", "d2h"):
-            buffer.record_stream(self.streams[stream])
-        return buffer
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def elapsed_s(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1e3
+
+    def pop_step_memory_peak(self) -> int:
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return int(peak)
+
+    def allocate_bytes(self, nbytes: int) -> torch.Tensor:
+        # the pool keeps the buffer for the run; reuse is ordered by the DROP -> LOAD events, so no
+        # record_stream (which would keep the block from the allocator until its events completed)
+        with torch.cuda.device(self.device):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def copy_chunk(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
         for dst, src in pieces:
@@ -184,3 +186,39 @@ class CudaBackend(Backend):
                 out[i] = view.view(g.shape)
                 offset += g.numel()
         return out
+
+
+def measure_links(backends: list, nbytes: int = 64 * 2**20) -> tuple[float, float]:
+    """Pinned H2D and D2H rates, bytes/s, measured with all ``backends``' GPUs copying at once (one
+    warm-up copy, then one ``nbytes`` copy per GPU and direction, all enqueued before any is waited
+    for, timed with CUDA events): what each GPU gets when all of them stream weights, as in a
+    RoundPipe step, not what one GPU gets alone. Logical devices on one GPU are measured once.
+    Returns the slowest GPU's ``(h2d, d2h)`` and caches each backend's own rates as ``_link``."""
+    distinct: dict[torch.device, Any] = {}
+    for backend in backends:
+        distinct.setdefault(backend.device, backend)
+    buffers = {}
+    for device in distinct:
+        with torch.cuda.device(device):
+            buffers[device] = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+                               torch.empty(nbytes, dtype=torch.uint8, device=device))
+    measured: list[dict[torch.device, float]] = []
+    for to_device in (True, False):  # H2D on every GPU at once, then D2H on every GPU at once
+        events = {}
+        for device, (host, dev) in buffers.items():
+            dst, src = (dev, host) if to_device else (host, dev)
+            with torch.cuda.device(device):
+                dst.copy_(src, non_blocking=True)  # warm-up
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                events[device] = (start, end)
+        for start, end in events.values():
+            end.synchronize()
+        measured.append({device: nbytes / (start.elapsed_time(end) / 1e3) for device, (start, end) in events.items()})
+    h2d, d2h = measured
+    rates = {device: (h2d[device], d2h[device]) for device in distinct}
+    for backend in backends:
+        backend._link = rates[backend.device]
+    return min(h2d.values()), min(d2h.values())
