@@ -32,6 +32,20 @@ def _loss(model: nn.Module, batch) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
 
 
+def _split_loss(model: nn.Module, batch, split: int) -> torch.Tensor:
+    """The batch's loss computed as ``split`` row microbatches summed by hand (each normalised by the
+    whole batch's label count, as the pipeline does): the same value, another float summation order."""
+    if split == 1:
+        return _loss(model, batch)
+    if isinstance(batch, dict):
+        items = int((batch["labels"][..., 1:] != -100).sum())
+        parts = [dict(zip(batch, values)) for values in zip(*(t.tensor_split(split) for t in batch.values()))]
+        return sum(model(**part, num_items_in_batch=items).loss for part in parts)
+    x, y = batch
+    return sum(nn.functional.cross_entropy(model(xs), ys, reduction="sum")
+               for xs, ys in zip(x.tensor_split(split), y.tensor_split(split))) / len(y)
+
+
 class SlowSGD(torch.optim.SGD):
     """SGD whose step sleeps before and after the update: a read of the weights that does not wait
     for the step in flight sees the old weights, and a pipeline that reads the masters instead of
@@ -81,10 +95,11 @@ class Module(L.LightningModule):
 
 def reference(model: nn.Module, batches: list, optimizer: str, lr: float, steps: int, stale: bool = True,
               accumulate: int = 1, clip: float | None = None, scheduler: bool = False,
-              refresh_after: tuple[int, ...] = ()) -> list[tuple[dict, dict]]:
+              refresh_after: tuple[int, ...] = (), split: int = 1) -> list[tuple[dict, dict]]:
     """Plain-torch training, one step stale when ``stale``: ``(parameters, optimizer state)`` after
     every optimizer step. ``refresh_after``: steps after which the computing copy takes the current
-    weights (a validation run during async fit refreshes the pipeline's weights)."""
+    weights (a validation run during async fit refreshes the pipeline's weights). ``split``: each
+    batch's gradient summed over that many row microbatches by hand (:func:`_split_loss`)."""
     live = copy.deepcopy(model)
     view = copy.deepcopy(model)  # the weights the pipeline computes on
     opt = make_optimizer([p for p in live.parameters() if p.requires_grad], optimizer, lr)
@@ -96,7 +111,7 @@ def reference(model: nn.Module, batches: list, optimizer: str, lr: float, steps:
             view.load_state_dict(live.state_dict())
         view.zero_grad(set_to_none=True)
         for _ in range(accumulate):
-            (_loss(view, next(batches)) / accumulate).backward()
+            (_split_loss(view, next(batches), split) / accumulate).backward()
         grads = [p.grad.clone() for p in view.parameters() if p.requires_grad]
         view.load_state_dict(live.state_dict())  # W_{step-1}: what the next step computes on
         for param, grad in zip([p for p in live.parameters() if p.requires_grad], grads):
@@ -140,8 +155,15 @@ def test_async_equals_one_step_stale_reference(kind, optimizer, lr, devices):
     stale = reference(model, batches, optimizer, lr, STEPS)[-1][0]
     got = params(_fit(copy.deepcopy(model), data, optimizer, lr, devices=devices, max_steps=STEPS).model)
     diff = max_diff(got, stale)
-    print(f"async {kind} {optimizer} devices={devices}: max abs diff to the stale reference {diff:.2e}")
-    assert diff <= TOL
+    # Adam divides by sqrt(v): a weight whose gradient is near zero moves by about lr whatever the
+    # rounding of that gradient, so float-order differences of the microbatch sum (the reference cut by
+    # hand differs from itself by `noise`) are amplified. For Adam the bound is 0.1 % of how far the
+    # weights moved; a wrong staleness moves them by a whole step's update (checked below: > 100 * TOL).
+    noise = max_diff(stale, reference(model, batches, optimizer, lr, STEPS, split=devices + 1)[-1][0])
+    moved = max_diff(stale, params(model))
+    print(f"async {kind} {optimizer} devices={devices}: max abs diff to the stale reference {diff:.2e}"
+          f" (reference vs itself split by hand: {noise:.2e}; weights moved {moved:.2e})")
+    assert diff <= max(TOL, 4 * noise, 1e-3 * moved if optimizer == "adam" else 0.0)
     exact = reference(model, batches, optimizer, lr, STEPS, stale=False)[-1][0]
     assert max_diff(got, exact) > 100 * TOL  # the staleness is real
 
