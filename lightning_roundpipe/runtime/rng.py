@@ -16,7 +16,7 @@ dropout modules, Hugging Face attention dropout, PEFT's ``lora_dropout``) runs e
   private generator (same dtype, ``1/(1-p)`` scaling, ``inplace=``, ``training=False`` as identity);
   ``torch.native_dropout`` likewise; ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` runs
   the math kernel ``aten._scaled_dot_product_attention_math`` with a ``dropout_mask`` drawn from the
-  private generator (on CUDA: the fused kernel, see below). Torch's Python functions that draw
+  private generator on every device (the same kernel in a forward and its recompute). Torch's Python functions that draw
   inside (``F.dropout*``, ``F.rrelu``, ``F.gumbel_softmax``, ``F.multi_head_attention_forward``) run
   their own body with the mode active, and ``F.fractional_max_pool*`` gets its ``_random_samples``;
 - the generator lives on the device of the op (a CPU generator for CPU virtual devices and for CPU
@@ -24,10 +24,10 @@ dropout modules, Hugging Face attention dropout, PEFT's ``lora_dropout``) runs e
   reseeded with the layer's seed at the layer's first draw. The same (layer, microbatch) therefore
   draws the same numbers in the forward and in its recomputation, on whichever device runs it, and
   with whatever device count: no process-wide lock, devices run random layers in parallel;
-- fused attention kernels with dropout on CUDA (flash, memory-efficient, cuDNN) read the device's
-  default generator when launched: for that launch it is loaded with the private generator's state
-  and restored right after (only the device's compute thread launches random kernels there, so the
-  swap is private to the call). Stacked RNNs with ``dropout > 0`` in training (``nn.LSTM``...: the
+- on CUDA, ``torch.dropout`` runs ATen's fused kernel (``native_dropout``: its scale in fp32, as
+  the default strategy's), and fused attention kernels called directly read the device's default
+  generator: for that launch it is loaded with the private generator's state and restored right
+  after, under a lock per GPU (logical devices sharing one GPU swap one at a time). Stacked RNNs with ``dropout > 0`` in training (``nn.LSTM``...: the
   kernel draws the dropout inside) and random ATen ops called directly (``torch.ops.aten...``) without
   a generator argument and not covered so raise ``ValueError``;
 - a guard around every layer call (also of layers outside :func:`rng_layers`) compares torch's
@@ -237,6 +237,11 @@ def _dropout(feature: bool, alpha: bool, inplace: bool) -> Callable:
         if p == 1:
             zero = torch.zeros((), dtype=x.dtype, device=x.device)
             return x.mul_(zero) if inplace else x * zero
+        if x.device.type == "cuda" and not feature and not alpha:
+            # CUDA's own fused kernel (its 1/(1-p) scale in fp32, as the default strategy computes it;
+            # noise.div_ in bf16 would scale by 1.0547 instead of 1/0.95 = 1.0526), on the private generator
+            out = _on_default_cuda_generator(mode, x.device, torch.ops.aten.native_dropout.default, (x, p, True), {})[0]
+            return x.copy_(out) if inplace else out
         if feature:
             if x.dim() < 2:
                 raise RuntimeError("Feature dropout requires at least 2 dimensions in the input")
@@ -275,16 +280,17 @@ _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scal
 
 
 def _sdpa(mode: _PrivateRandomMode, func, args: tuple, kwargs: dict):
-    """``F.scaled_dot_product_attention`` with ``dropout_p > 0``: on CUDA the fused kernel on the
-    private generator's state; elsewhere the math kernel with a ``dropout_mask`` (True: keep) of shape
-    ``(*batch, L, S)`` drawn from the private generator."""
+    """``F.scaled_dot_product_attention`` with ``dropout_p > 0``: the math kernel with a
+    ``dropout_mask`` (True: keep) of shape ``(*batch, L, S)`` drawn from the private generator, on
+    every device. On CUDA this pins the kernel: the fused backends' choice can differ between a
+    forward without grad and its recompute with grad, and each draws its mask differently, so the
+    recompute would not replay the forward's mask (attention dropout is rare in fine-tuning; the math
+    kernel costs O(L*S) memory per head)."""
     bound = _bind(_SDPA_NAMES, _SDPA_DEFAULTS, args, kwargs)
     p = float(bound["dropout_p"])
     if p == 0:
         return func(*args, **kwargs)
     query, key = bound["query"], bound["key"]
-    if query.device.type == "cuda":
-        return _on_default_cuda_generator(mode, query.device, func, args, kwargs)
     lead = query.shape[:-2] if bound["enable_gqa"] else torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
     mask = torch.empty((*lead, query.shape[-2], key.shape[-2]), dtype=torch.uint8, device=query.device)
     mask = mask.bernoulli_(1 - p, generator=mode.generator(query.device)).to(torch.bool)
@@ -302,14 +308,20 @@ def _on_default_cuda_generator(mode: _PrivateRandomMode, device: torch.device, f
     generator's state; afterwards the private generator continues where the kernel left it and the
     default generator is back in its own state."""
     private = mode.generator(device)
-    default = torch.cuda.default_generators[private.device.index]
-    saved = default.get_state()
-    default.set_state(private.get_state())
-    try:
-        return func(*args, **kwargs)
-    finally:
-        private.set_state(default.get_state())
-        default.set_state(saved)
+    index = private.device.index
+    default = torch.cuda.default_generators[index]
+    with _CUDA_SWAP_LOCKS.setdefault(index, threading.Lock()):  # several workers may share one GPU
+        saved = default.get_state()
+        default.set_state(private.get_state())
+        try:
+            return func(*args, **kwargs)
+        finally:
+            private.set_state(default.get_state())
+            default.set_state(saved)
+
+
+#: One lock per GPU around the default-generator swap (logical devices on one GPU share its generator).
+_CUDA_SWAP_LOCKS: dict[int, threading.Lock] = {}
 
 
 def _fractional_max_pool(dims: int) -> Callable:

@@ -174,6 +174,10 @@ class Backend(abc.ABC):
     def elapsed_s(self, start: Any, end: Any) -> float:
         """Seconds between two :meth:`mark` s (device time on CUDA)."""
 
+    def record_use(self, tensors: list[torch.Tensor], stream: str) -> None:
+        """``tensors``, allocated on the current stream, are also used by ``stream``: CUDA keeps
+        their blocks from reuse until that stream's work completes (``record_stream``); nothing on CPU."""
+
     def poison(self, buffer: torch.Tensor) -> None:
         """Debug (CPU ``copy_delay_s``): fill a stage buffer with NaN before its load; else nothing."""
 

@@ -159,6 +159,10 @@ class CudaBackend(Backend):
         torch.cuda.reset_peak_memory_stats(self.device)
         return int(peak)
 
+    def record_use(self, tensors: list[torch.Tensor], stream: str) -> None:
+        for tensor in tensors:
+            tensor.record_stream(self.streams[stream])
+
     def allocate_bytes(self, nbytes: int) -> torch.Tensor:
         # the pool keeps the buffer for the run; reuse is ordered by the DROP -> LOAD events, so no
         # record_stream (which would keep the block from the allocator until its events completed)
