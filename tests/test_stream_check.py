@@ -236,3 +236,19 @@ def test_per_device_peak_memory_is_logged_and_bounded_by_physics():
     assert set(last) == {"roundpipe/device0/peak_memory(GiB)", "roundpipe/device1/peak_memory(GiB)"}
     for value in last.values():
         assert 2 * largest_layer <= value * 2**30 <= budget
+
+
+def test_the_automatic_choice_takes_the_smallest_measured_stage_budget():
+    """GPUs measure their stage budget after the profiled steps; the choice uses the smallest of them
+    and never more than the configured budget. CPU virtual devices measure nothing."""
+    from types import SimpleNamespace
+
+    from lightning_roundpipe.runtime.autopartition import stage_budget
+
+    def backend(measured):
+        return SimpleNamespace(measured_stage_budget=lambda: measured)
+
+    assert stage_budget(SimpleNamespace(backends=[backend(None)] * 2, stage_memory_bytes=100)) == 100
+    assert stage_budget(SimpleNamespace(backends=[backend(70), backend(40)], stage_memory_bytes=100)) == 40
+    assert stage_budget(SimpleNamespace(backends=[backend(700), backend(400)], stage_memory_bytes=100)) == 100
+    assert stage_budget(SimpleNamespace(backends=[backend(70), backend(40)], stage_memory_bytes=None)) == 40

@@ -109,6 +109,19 @@ def round_options(engine: Any, num_microbatches: int) -> list[int | None]:
     return out
 
 
+def stage_budget(engine: Any) -> int | None:
+    """The per-stage memory budget of the automatic choice, bytes: the engine's (``device_memory_bytes``
+    // 2, or half a GPU's memory), lowered on GPUs to what the profiled steps measured
+    (:meth:`~lightning_roundpipe.runtime.backends.cuda.CudaBackend.measured_stage_budget`, the smallest
+    over the devices)."""
+    measured = [backend.measured_stage_budget() for backend in engine.backends]
+    if not measured or any(m is None for m in measured):
+        return engine.stage_memory_bytes
+    if engine.stage_memory_bytes is None:
+        return min(measured)
+    return min(engine.stage_memory_bytes, min(measured))
+
+
 def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoice:
     """The partition and microbatch rounds to run from now on, chosen by the simulator on the
     measured layer times.
@@ -126,10 +139,10 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
     from lightning_roundpipe.partition import METHODS, auto_partition, plan_objective_s, stage_memory
 
     n = len(engine.seq)
-    candidates = [auto_partition(profiles, len(engine.backends), engine.stage_memory_bytes, method=m) for m in METHODS]
+    budget = stage_budget(engine)
+    candidates = [auto_partition(profiles, len(engine.backends), budget, method=m) for m in METHODS]
     if engine._last_call is None:
         return PlanChoice(candidates[0], engine.microbatches_per_round)
-    budget = engine.stage_memory_bytes
 
     def fits(fwd: Sequence[range], bwd: Sequence[range]) -> bool:
         return budget is None or all(stage_memory(profiles, r, kind) <= budget

@@ -174,6 +174,11 @@ class Backend(abc.ABC):
     def elapsed_s(self, start: Any, end: Any) -> float:
         """Seconds between two :meth:`mark` s (device time on CUDA)."""
 
+    def measured_stage_budget(self) -> int | None:
+        """Bytes one stage may use on this device, measured after the profiled steps (CUDA); ``None``
+        where the budget is given instead (CPU virtual devices: ``device_memory_bytes // 2``)."""
+        return None
+
     def record_use(self, tensors: list[torch.Tensor], stream: str) -> None:
         """``tensors``, allocated on the current stream, are also used by ``stream``: CUDA keeps
         their blocks from reuse until that stream's work completes (``record_stream``); nothing on CPU."""

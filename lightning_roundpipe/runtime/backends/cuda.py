@@ -155,9 +155,24 @@ class CudaBackend(Backend):
         return start.elapsed_time(end) / 1e3
 
     def pop_step_memory_peak(self) -> int:
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = int(torch.cuda.max_memory_allocated(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
-        return int(peak)
+        self._run_peak = max(getattr(self, "_run_peak", 0), peak)
+        return peak
+
+    def measured_stage_budget(self) -> int:
+        """Bytes one stage may use: the memory this process can still have on the GPU (free memory
+        plus what torch's allocator holds, so the CUDA context and other processes are left out),
+        minus the measured peak of everything that is not a stage weight slot (activations, gradients,
+        outputs waiting for download, cuBLAS workspaces: the peak since the run started minus the
+        pool), minus a margin of ``max(512 MiB, 5 % of the card)`` for fragmentation, halved for the
+        two slots of the pool (the stage computing and the one prefetched)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = max(getattr(self, "_run_peak", 0), int(torch.cuda.max_memory_allocated(self.device)))
+        others = max(0, peak - self.pool.nbytes)
+        margin = max(512 * 2**20, total // 20)
+        usable = free + torch.cuda.memory_reserved(self.device) - others - margin
+        return max(0, usable // 2)
 
     def record_use(self, tensors: list[torch.Tensor], stream: str) -> None:
         for tensor in tensors:
