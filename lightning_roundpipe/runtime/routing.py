@@ -127,8 +127,8 @@ class RoutingStore:
                 f" router call {key[2]}: the recomputation calls the router more often than the forward did."
             )
         host, event = got
-        if event is not None:
-            event.synchronize()
+        if event is not None:  # the stream waits for the forward's download, the host does not
+            torch.cuda.current_stream(device).wait_event(event)
         return host.to(device, non_blocking=True).to(torch.int64)
 
     def totals(self, wait: Callable[[threading.Event], None] | None = None) -> dict[str, torch.Tensor]:

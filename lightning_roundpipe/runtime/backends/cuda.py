@@ -121,6 +121,10 @@ class CudaBackend(Backend):
         def up(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
+            if t.device.type == "cpu" and not t.is_pinned():
+                # a copy from pageable memory blocks the issuing thread until it is done; from pinned
+                # memory it is only enqueued (torch's pinned allocator keeps the block until the copy ends)
+                t = t.pin_memory()
             out = t.to(self.device, non_blocking=True)
             out.record_stream(compute)
             return out
