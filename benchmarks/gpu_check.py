@@ -1,89 +1,626 @@
-"""GPU benchmark for ``scripts/gpu_check.sh``: tokens/s, MFU and predicted vs measured step time.
+"""The Python steps of ``scripts/gpu_check.sh``: parity, throughput and a CUDA sanitizer run.
 
-Runs, in one process, plain Lightning training on one GPU (bf16-mixed) and RoundPipe on every GPU
-(bf16-mixed) of a Llama-shaped model, and prints:
+    python benchmarks/gpu_check.py parity     --json out/parity.json       # bf16-mixed parity with plain Lightning
+    python benchmarks/gpu_check.py throughput --json out/throughput.json   # tokens/s, MFU, predicted step, memory
+    TORCH_CUDA_SANITIZER=1 python benchmarks/gpu_check.py sanitizer --tiny --json out/sanitizer.json
+    python benchmarks/gpu_check.py throughput --accelerator cpu --tiny      # the same code on 2 CPU virtual devices
 
-- the measured bf16 matmul peak of GPU 0 (8192^3 GEMMs timed with CUDA events), TFLOP/s;
-- tokens/s of both runs and their ratio;
-- MFU = model FLOPs (6 x non-embedding parameters x tokens, plus attention 12 x layers x hidden x
-  seq_len x tokens; recomputation not counted) / step time / (peak x GPUs);
-- RoundPipe's ``roundpipe/predicted_step(s)`` (the simulator on the measured layer times and the
-  measured pinned link rates) beside ``roundpipe/step(s)``.
+The default model is Qwen3-1.7B-shaped with random weights (``transformers.Qwen3Config``: 28 layers,
+hidden 2048, MLP 6144, 16 heads, 8 KV heads, head dim 128, vocab 151936, tied embeddings, SDPA
+attention; nothing from the hub; initialised on the first GPU, then moved to the host), sequences of
+2048 tokens, batch 4: large enough that a step is bound by compute and weight streaming, not by
+kernel launches. ``--tiny`` is a 4-layer, hidden-64 model with 32-token sequences (the CPU tests run
+this file with it on CPU virtual devices, so a GPU run cannot die for a trivial reason).
+
+- ``parity``: plain single-device Lightning (``strategy="auto"``, ``devices=1``) and RoundPipe, both
+  ``bf16-mixed``, the same initial weights and batches, SGD with momentum and gradient clipping, a
+  few steps. Compared: the per-step losses (relative difference <= ``--loss-tol``, default 1e-2) and
+  the whole parameter update (``||dW_roundpipe - dW_plain|| / ||dW_plain|| <= --update-tol``, default
+  5e-2): bf16 keeps about 3 significant digits and the two runs sum the microbatches' gradients in
+  another order, so they agree to bf16 noise, not bitwise.
+- ``throughput``: the same model and batch, fused AdamW. Every step is timed between
+  ``torch.cuda.synchronize()`` calls on every GPU at batch start and batch end (the plain run and
+  RoundPipe alike). Reported: tokens/s of both runs and their ratio; MFU (model FLOPs of
+  :mod:`lightning_roundpipe.runtime.flops` / step time / (peak x physical GPUs)) against the datasheet
+  peak (``PEAK_FLOPS``) and against a measured bf16 matmul peak; RoundPipe's measured step beside
+  ``roundpipe/predicted_step(s)`` (the simulator on the measured layer times); peak memory per GPU
+  (``torch.cuda.max_memory_allocated``, read before the strategy resets it at each step end) and the
+  logged ``roundpipe/device{i}/peak_memory(GiB)``; the fraction of weight-upload time hidden under
+  compute, from the measured Timeline (CUDA events on a GPU): per logical device and timed step, the
+  union of the ``weights`` stream's spans intersected with the union of the ``compute`` spans, over
+  the union of the ``weights`` spans; and the computes that started before a complete upload of
+  their stage's weights had ended on that device (must be 0: the LOAD -> compute edge).
+- ``sanitizer``: a small model, 2 steps of RoundPipe; run it under ``TORCH_CUDA_SANITIZER=1``.
+  Torch enables the sanitizer (a dispatch mode, thread-local) in the main thread only, and RoundPipe
+  launches its kernels from one issuing thread per (device, stream): this check also enters the
+  sanitizer's mode in every CUDA stream thread of the runtime, and first proves that a race in such
+  a thread is caught (a positive control: two streams writing one tensor without an event).
+
+``--devices`` is a count, ``all``, or a comma list (``cuda:0,cuda:0,cuda:0,cuda:0``: four logical
+workers on one GPU, given to the strategy as ``parallel_devices``); default every GPU, or 2 CPU
+virtual devices. Each check writes its JSON (``--json``) after every phase, so a step killed by its
+timeout still leaves what it measured; the exit code is 1 when a check fails (parity out of
+tolerance, a non-finite value, a compute started before its weights were uploaded, the sanitizer
+not active in the runtime's threads).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
+import math
 import os
+import re
 import statistics
 import sys
+import threading
+import time
+from typing import Any
 
 os.environ.setdefault("WANDB_MODE", "disabled")
-sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import lightning_roundpipe  # noqa: E402
-from cpu_scaling import LM, RandomTokens, StepTimes  # noqa: E402
+
+QWEN3_1_7B = dict(layers=28, hidden=2048, intermediate=6144, heads=16, kv_heads=8, head_dim=128, vocab=151936,
+                  seq_len=2048, batch_size=4)
+TINY = dict(layers=4, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, seq_len=32,
+            batch_size=4)
+GIB = float(2**30)
+EPS_S = 5e-5  # timer resolution allowed when comparing spans of one device (CUDA events: ~0.5 us)
 
 
-def bf16_peak_tflops(n: int = 8192, reps: int = 20) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
+# ------------------------------------------------------------------------------------------ model
+class RandomTokens(Dataset):
+    def __init__(self, n: int, seq_len: int, vocab: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    """A random-weight Qwen3 causal LM of ``args``' shape, fp32 on the host, SDPA attention. On a GPU
+    the weights are initialised there (seconds instead of a minute on the host), then moved."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                      head_dim=args.head_dim, max_position_embeddings=max(args.seq_len, 64), tie_word_embeddings=True,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    if args.accelerator != "cuda":
+        return Qwen3ForCausalLM(cfg)
+    with torch.device(args.device_list[0]):
+        model = Qwen3ForCausalLM(cfg)
+    model = model.to("cpu")
+    torch.cuda.empty_cache()
+    return model
+
+
+class LM(L.LightningModule):
+    """``loss = model(**batch).loss``; keeps each step's loss (a detached tensor) in :attr:`losses`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: str, lr: float) -> None:
+        super().__init__()
+        self.model = model
+        self.optimizer_name = optimizer
+        self.lr = lr
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.losses.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adamw":  # fused: one kernel over all parameters, on the GPU or the host
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+# ------------------------------------------------------------------------------------------ timing
+def _sync(accelerator: str) -> None:
+    if accelerator == "cuda":
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+
+
+def _gpu_indices(devices: list[torch.device]) -> list[int]:
+    return sorted({torch.cuda.current_device() if d.index is None else d.index for d in devices if d.type == "cuda"})
+
+
+class PlainTimer(L.Callback):
+    """Per-step wall time between synchronizes (plain Lightning training)."""
+
+    def __init__(self, accelerator: str) -> None:
+        self.accelerator = accelerator
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.accelerator == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        _sync(self.accelerator)
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        _sync(self.accelerator)
+        self.times.append(time.perf_counter() - self._start)
+
+
+class RoundPipeRecorder(lightning_roundpipe.RoundPipeMetricsCallback):
+    """Per-step wall time between synchronizes, the step's measured timelines, the per-GPU
+    ``max_memory_allocated`` (read before the strategy resets it at the end of each step) and the
+    ``roundpipe/`` metrics logged at each step (this replaces the metrics callback the strategy
+    would add, and does all it does)."""
+
+    def __init__(self, accelerator: str) -> None:
+        super().__init__()
+        self.accelerator = accelerator
+        self.times: list[float] = []
+        self.timelines: list[list[Any]] = []
+        self.gpu_peaks: list[dict[int, int]] = []
+        self.logged: list[dict[str, float]] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, *args, **kwargs) -> None:
+        _sync(self.accelerator)
+        super().on_train_batch_start(trainer, *args, **kwargs)
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        _sync(self.accelerator)
+        self.times.append(time.perf_counter() - self._start)
+        engine = trainer.strategy.engine
+        self.timelines.append(list(engine._timelines))  # the parent pops them below
+        gpus = _gpu_indices(list(engine.devices))
+        self.gpu_peaks.append({i: int(torch.cuda.max_memory_allocated(i)) for i in gpus})
+        logged: dict[str, float] = {}
+        log_dict = pl_module.log_dict
+
+        def capture(metrics: dict, *args: Any, **kwargs: Any) -> None:  # this step's keys, as logged
+            logged.update({k: float(v) for k, v in metrics.items()})
+            log_dict(metrics, *args, **kwargs)
+
+        pl_module.log_dict = capture
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            del pl_module.log_dict
+        self.logged.append(logged)
+
+
+# ------------------------------------------------------------------------------------------ analysis
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in spans)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two sorted, disjoint span lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+_ROUND = re.compile(r"@(\d+)$")
+
+
+def upload_overlap(timelines: list[Any]) -> dict[str, Any]:
+    """From measured timelines (one per program): the weight-upload seconds (union of the ``weights``
+    stream's spans that moved bytes, per logical device), the part of them under compute on the same
+    device, their ratio, the number of chunks, and the computes that started before every chunk of
+    one upload of their stage (a ``LOAD``: the chunks of one dispatch, ``"3LOAD.c1@2"``) had ended on
+    that device: 0 when the program's LOAD -> compute edges held."""
+    upload = hidden = 0.0
+    chunks = violations = computes_seen = 0
+    for tl in timelines:
+        for d in range(tl.num_devices):
+            mine = [i for i in tl.intervals if i.device_index == d]
+            weights = [i for i in mine if i.stream == "weights"]
+            computes = [i for i in mine if i.is_compute]
+            w = _union([(i.start_s, i.end_s) for i in weights if i.nbytes])
+            c = _union([(i.start_s, i.end_s) for i in computes])
+            upload += _length(w)
+            hidden += _intersection(w, c)
+            chunks += sum(1 for i in weights if i.nbytes)
+            loads: dict[tuple[int, int], float] = {}  # (stage, round) -> end of its last chunk
+            for i in weights:
+                match = _ROUND.search(i.label)
+                key = (i.stage_index, int(match.group(1)) if match else 0)
+                loads[key] = max(loads.get(key, -math.inf), i.end_s)
+            for comp in computes:
+                computes_seen += 1
+                ends = [end for (stage, _), end in loads.items() if stage == comp.stage_index]
+                if not any(end <= comp.start_s + EPS_S for end in ends):
+                    violations += 1
+    return {"weight_upload_s": upload, "weight_upload_hidden_s": hidden,
+            "hidden_upload_fraction": hidden / upload if upload > 0 else None,
+            "weight_chunks": chunks, "computes": computes_seen, "computes_before_their_upload": violations}
+
+
+def peak_flops(accelerator: str, devices: list[torch.device]) -> dict[str, float | None]:
+    """The datasheet bf16 peak of the first device (``PEAK_FLOPS``; ``None`` if not listed or on the
+    CPU) and a measured bf16 matmul peak (8192^3 GEMMs timed with CUDA events; 512^3 on the CPU)."""
+    from lightning_roundpipe.runtime.flops import peak_flops_per_s
+
+    if accelerator == "cuda":
+        n, reps = 8192, 20
+        a = torch.randn(n, n, device=devices[0], dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=devices[0], dtype=torch.bfloat16)
+        with torch.cuda.device(devices[0]):
+            for _ in range(3):
+                a @ b
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                a @ b
+            end.record()
+            end.synchronize()
+        measured = 2 * n**3 * reps / (start.elapsed_time(end) / 1e3)
+        del a, b
+        torch.cuda.empty_cache()
+    else:
+        n, reps = 512, 5
+        a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
         a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        a @ b
-    end.record()
-    end.synchronize()
-    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        measured = 2 * n**3 * reps / (time.perf_counter() - t0)
+    return {"datasheet": peak_flops_per_s(devices[0], torch.bfloat16), "measured_matmul": measured}
 
 
-def run(args, strategy, devices: int) -> StepTimes:
-    import lightning as L
-    from torch.utils.data import DataLoader
+def model_flops_per_step(model: torch.nn.Module, tokens: int, seq_len: int) -> float:
+    from lightning_roundpipe.adapters import make_layer_sequence
+    from lightning_roundpipe.runtime.flops import layer_flops, step_model_flops
 
-    timer = StepTimes()
-    trainer = L.Trainer(accelerator="cuda", devices=devices, strategy=strategy, precision="bf16-mixed",
-                        max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], log_every_n_steps=1)
-    data = DataLoader(RandomTokens(args.batch_size * (args.warmup + args.steps), args.seq_len, args.vocab),
-                      batch_size=args.batch_size)
-    trainer.fit(LM(args), data)
-    timer.times, timer.logged = timer.times[args.warmup:], timer.logged[args.warmup:]
-    return timer
+    return step_model_flops(layer_flops(make_layer_sequence(model).layers), tokens, seq_len)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5)
-    args = p.parse_args()
-    gpus = torch.cuda.device_count()
-    peak = bf16_peak_tflops()
-    print(f"{gpus} x {torch.cuda.get_device_name(0)}; measured bf16 matmul peak {peak:.1f} TFLOP/s")
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if _finite(v)]
+    return statistics.median(values) if values else None
+
+
+# ------------------------------------------------------------------------------------------ runs
+def parse_devices(spec: str | None, accelerator: str) -> list[torch.device]:
+    """``None``/``"all"``: every GPU (2 CPU virtual devices on the CPU); a count; or a comma list."""
+    if spec is None or spec == "all":
+        if accelerator == "cuda":
+            return [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")] * 2
+    if spec.isdigit():
+        n = int(spec)
+        return [torch.device(f"cuda:{i}") for i in range(n)] if accelerator == "cuda" else [torch.device("cpu")] * n
+    return [torch.device(s.strip()) for s in spec.split(",") if s.strip()]
+
+
+def fit(args: argparse.Namespace, model: torch.nn.Module, roundpipe: bool, steps: int, optimizer: str, lr: float,
+        **strategy_kw: Any) -> tuple[LM, Any]:
+    """One ``bf16-mixed`` fit of ``steps`` batches; returns the module (moved to the host) and its recorder."""
+    module = LM(model, optimizer, lr)
+    if roundpipe:
+        recorder: Any = RoundPipeRecorder(args.accelerator)
+        strategy: Any = lightning_roundpipe.RoundPipeStrategy(
+            num_microbatches=args.num_microbatches, parallel_devices=args.device_list, trace_every_n_steps=0,
+            device_memory_bytes=args.device_memory_bytes, **strategy_kw)
+        devices: Any = "auto"  # the strategy's parallel_devices (one GPU may be given several times)
+    else:
+        recorder, strategy, devices = PlainTimer(args.accelerator), "auto", 1
+    trainer = L.Trainer(accelerator=args.accelerator, devices=devices, strategy=strategy, precision="bf16-mixed",
+                        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder],
+                        gradient_clip_val=args.clip, log_every_n_steps=1, default_root_dir=args.root_dir)
+    data = DataLoader(RandomTokens(args.batch_size * steps, args.seq_len, args.vocab), batch_size=args.batch_size)
+    trainer.fit(module, data)
+    module.cpu()
+    if args.accelerator == "cuda":
+        torch.cuda.empty_cache()
+    return module, recorder
+
+
+class Report:
+    """The check's JSON, rewritten after every phase (a killed step still leaves what it measured)."""
+
+    def __init__(self, path: str | None, check: str, args: argparse.Namespace) -> None:
+        import transformers
+
+        self.path = path
+        self.data: dict[str, Any] = {
+            "check": check, "ok": None, "accelerator": args.accelerator,
+            "devices": [str(d) for d in args.device_list],
+            "model": {k: getattr(args, k) for k in QWEN3_1_7B}, "tiny": args.tiny,
+            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "lightning": L.__version__,
+                         "transformers": transformers.__version__, "python": sys.version.split()[0]}}
+        if args.accelerator == "cuda":
+            self.data["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        self.write()
+
+    def write(self) -> None:
+        if self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.data, f, indent=2, default=str)
+            os.replace(tmp, self.path)
+
+    def update(self, **kw: Any) -> None:
+        self.data.update(kw)
+        self.write()
+
+
+def check_parity(args: argparse.Namespace, report: Report) -> bool:
+    base = make_model(args)
+    start = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    report.update(parameters=sum(p.numel() for p in base.parameters()), steps=args.parity_steps, optimizer="sgd",
+                  lr=args.lr, gradient_clip_val=args.clip)
+    t0 = time.perf_counter()
+    plain, _ = fit(args, copy.deepcopy(base), False, args.parity_steps, "sgd", args.lr)
+    report.update(plain_losses=[float(x) for x in plain.losses], plain_fit_s=time.perf_counter() - t0)
+    ref = {k: v.detach().clone() for k, v in plain.model.state_dict().items()}
+    del plain
+    t0 = time.perf_counter()
+    rp, _ = fit(args, base, True, args.parity_steps, "sgd", args.lr, partition="default")
+    report.update(roundpipe_losses=[float(x) for x in rp.losses], roundpipe_fit_s=time.perf_counter() - t0)
+    got = rp.model.state_dict()
+    num = den = 0.0
+    max_abs = 0.0
+    for k, s in start.items():
+        d_ref, d_got = ref[k].double() - s.double(), got[k].detach().double() - s.double()
+        num += float(((d_ref - d_got) ** 2).sum())
+        den += float((d_ref ** 2).sum())
+        max_abs = max(max_abs, float((ref[k] - got[k]).abs().max()))
+    losses = list(zip(report.data["plain_losses"], report.data["roundpipe_losses"]))
+    loss_rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in losses]
+    update_rel = math.sqrt(num) / math.sqrt(den) if den > 0 else float("nan")
+    ok = (len(losses) == args.parity_steps and all(_finite(a) and _finite(b) for a, b in losses)
+          and max(loss_rel, default=math.inf) <= args.loss_tol and den > 0 and update_rel <= args.update_tol)
+    report.update(loss_rel_diff=loss_rel, loss_tol=args.loss_tol, update_rel_error=update_rel,
+                  update_tol=args.update_tol, param_max_abs_diff=max_abs, ok=ok)
+    return ok
+
+
+def check_throughput(args: argparse.Namespace, report: Report) -> bool:
+    devices = args.device_list
+    peaks = peak_flops(args.accelerator, devices)
+    physical = len(_gpu_indices(devices)) if args.accelerator == "cuda" else 1
+    base = make_model(args)
     tokens = args.batch_size * args.seq_len
-    h, layers = args.hidden, args.layers
-    params = layers * (4 * h * h * 0.625 + 3 * h * 4 * h)  # q, o full; k, v at hidden // 4 (GQA); SwiGLU MLP
-    flops = 6 * params * tokens + 12 * layers * h * args.seq_len * tokens + 6 * h * args.vocab * tokens
-    base = statistics.median(run(args, "auto", 1).times)
-    rp_run = run(args, lightning_roundpipe.RoundPipeStrategy(), gpus)
-    rp = statistics.median(rp_run.times)
-    predicted = [r["roundpipe/predicted_step(s)"] for r in rp_run.logged if "roundpipe/predicted_step(s)" in r]
-    print(f"plain 1 GPU: {tokens / base:,.0f} tokens/s, MFU {flops / base / (peak * 1e12):.1%}")
-    print(f"RoundPipe {gpus} GPU(s): {tokens / rp:,.0f} tokens/s, MFU {flops / rp / (peak * 1e12 * gpus):.1%};"
-          f" ratio RoundPipe/plain {base / rp:.2f}x")
-    if predicted:
-        pred = statistics.median(predicted)
-        print(f"RoundPipe step: measured {rp:.3f} s, predicted {pred:.3f} s ({100 * (pred - rp) / rp:+.1f}%)")
+    flops = model_flops_per_step(base, tokens, args.seq_len)
+    report.update(peak_flops=peaks, physical_devices=physical, tokens_per_step=tokens, model_flops_per_step=flops,
+                  parameters=sum(p.numel() for p in base.parameters()), optimizer="adamw (fused)",
+                  timed_steps=args.steps)
+
+    def mfu(step_s: float, n: int) -> dict[str, float | None]:
+        return {k: (flops / step_s / (v * n) if v else None) for k, v in peaks.items()}
+
+    _, timer = fit(args, copy.deepcopy(base), False, args.warmup + args.steps, "adamw", args.lr)
+    plain_step = statistics.median(timer.times[args.warmup:])
+    plain_peak = torch.cuda.max_memory_allocated(devices[0]) / GIB if args.accelerator == "cuda" else None
+    report.update(plain={"step_s": timer.times, "median_step_s": plain_step, "tokens_per_s": tokens / plain_step,
+                         "mfu": mfu(plain_step, 1), "peak_memory_gib": plain_peak})
+    if args.accelerator == "cuda":
+        for i in _gpu_indices(devices):
+            torch.cuda.reset_peak_memory_stats(i)
+
+    skip = args.profile_steps + args.warmup
+    _, rec = fit(args, base, True, skip + args.steps, "adamw", args.lr, partition="auto",
+                 profile_steps=args.profile_steps)
+    timed = slice(skip, None)
+    rp_step = statistics.median(rec.times[timed])
+    logged = rec.logged[timed]
+
+    def logged_median(key: str) -> float | None:
+        return _median([r[key] for r in logged if key in r])
+
+    pred = logged_median("roundpipe/predicted_step(s)")
+    n = len(devices)
+    logged_peaks = {i: max((r[f"roundpipe/device{i}/peak_memory(GiB)"] for r in logged
+                            if f"roundpipe/device{i}/peak_memory(GiB)" in r), default=None) for i in range(n)}
+    gpu_peaks = {i: max(p.get(i, 0) for p in rec.gpu_peaks[timed]) / GIB for i in _gpu_indices(devices)} or None
+    overlap = upload_overlap([tl for step in rec.timelines[timed] for tl in step])
+    roundpipe = {"step_s": rec.times, "median_step_s": rp_step, "tokens_per_s": tokens / rp_step,
+                 "mfu": mfu(rp_step, physical),
+                 "logged_step_s": logged_median("roundpipe/step(s)"),
+                 "logged_optimizer_s": logged_median("roundpipe/optimizer(s)"),
+                 "logged_bubble_pct": logged_median("roundpipe/bubble(%)"),
+                 "predicted_step_s": pred,
+                 "predicted_vs_measured": (pred - rp_step) / rp_step if pred is not None else None,
+                 "logged_tokens_per_s": logged_median("roundpipe/tokens_per_s"),
+                 "logged_mfu_pct": logged_median("roundpipe/mfu(%)"),
+                 "peak_memory_gib_per_gpu": gpu_peaks, "logged_peak_memory_gib_per_device": logged_peaks,
+                 **overlap}
+    report.update(roundpipe=roundpipe, ratio_roundpipe_over_plain=plain_step / rp_step)
+    frac = overlap["hidden_upload_fraction"]
+    problems = []
+    if not (_finite(tokens / plain_step) and _finite(tokens / rp_step)):
+        problems.append("a non-finite step time")
+    if pred is None:
+        problems.append("no roundpipe/predicted_step(s) logged in the timed steps")
+    if frac is None or not 0.0 <= frac <= 1.0:
+        problems.append(f"hidden upload fraction {frac!r} (no weight upload measured?)")
+    if overlap["computes"] == 0 or overlap["computes_before_their_upload"]:
+        problems.append(f"{overlap['computes_before_their_upload']} of {overlap['computes']} computes started"
+                        " before their stage's weights were uploaded")
+    if not all(_finite(v) and v > 0 for v in logged_peaks.values()):
+        problems.append(f"per-device peak memory not logged: {logged_peaks}")
+    report.update(problems=problems, ok=not problems)
+    return not problems
+
+
+# ------------------------------------------------------------------------------------------ sanitizer
+def _sanitizer() -> Any | None:
+    """torch's CUDA sanitizer when ``TORCH_CUDA_SANITIZER`` enabled it at ``import torch``, else None."""
+    try:
+        import torch.cuda._sanitizer as csan
+    except Exception:  # noqa: BLE001 - no sanitizer in this torch build
+        return None
+    return csan if getattr(csan.cuda_sanitizer, "enabled", False) else None
+
+
+def sanitize_runtime_threads(csan: Any) -> list[str]:
+    """Enter the sanitizer's dispatch mode (thread-local: torch entered it in the main thread only)
+    in every CUDA stream thread the runtime starts from now on; returns the list the threads' names
+    are appended to."""
+    from lightning_roundpipe.runtime.backends.cuda import CudaBackend
+
+    entered: list[str] = []
+    original = CudaBackend._thread_setup
+
+    def setup(self, stream: str) -> None:
+        original(self, stream)
+        csan.cuda_sanitizer.dispatch.__enter__()  # left with the thread: it ends with the engine
+        entered.append(threading.current_thread().name)
+
+    CudaBackend._thread_setup = setup
+    return entered
+
+
+def sanitizer_positive_control(csan: Any, device: torch.device) -> str | None:
+    """In a new thread with the mode entered as in the runtime's: write one tensor on two streams
+    without an event between them. Returns the sanitizer's message (``None``: not caught)."""
+    caught: list[str] = []
+
+    def race() -> None:
+        torch.cuda.set_device(device)
+        csan.cuda_sanitizer.dispatch.__enter__()
+        first, second = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        with torch.cuda.stream(first):
+            x = torch.empty(1 << 20, device=device)
+            x.fill_(1.0)
+        with torch.cuda.stream(second):
+            try:
+                x.add_(1.0)
+            except csan.CUDASanitizerErrors as error:
+                caught.append(str(error).strip().splitlines()[0])
+        torch.cuda.synchronize(device)
+
+    thread = threading.Thread(target=race, name="sanitizer-positive-control")
+    thread.start()
+    thread.join()
+    return caught[0] if caught else None
+
+
+def check_sanitizer(args: argparse.Namespace, report: Report) -> bool:
+    csan = _sanitizer() if args.accelerator == "cuda" else None
+    info: dict[str, Any] = {"env": os.environ.get("TORCH_CUDA_SANITIZER"), "enabled": csan is not None}
+    threads: list[str] = []
+    if csan is not None:
+        info["positive_control"] = sanitizer_positive_control(csan, args.device_list[0])
+        threads = sanitize_runtime_threads(csan)
+    report.update(sanitizer=info)
+    module, _ = fit(args, make_model(args), True, 2, "adamw", args.lr, partition="default")
+    losses = [float(x) for x in module.losses]
+    info["runtime_threads_sanitized"] = len(threads)
+    problems = []
+    if len(losses) != 2 or not all(map(_finite, losses)):
+        problems.append(f"losses {losses}")
+    if args.accelerator == "cuda":
+        if csan is None:
+            problems.append("the sanitizer is off: run with TORCH_CUDA_SANITIZER=1")
+        else:
+            if info["positive_control"] is None:
+                problems.append("the positive control's race was not caught in a worker thread")
+            if not threads:
+                problems.append("no runtime stream thread ran under the sanitizer")
+    report.update(sanitizer=info, losses=losses, problems=problems, ok=not problems)
+    return not problems
+
+
+CHECKS = {"parity": check_parity, "throughput": check_throughput, "sanitizer": check_sanitizer}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("check", choices=sorted(CHECKS))
+    p.add_argument("--accelerator", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--devices", default=None,
+                   help="a count, 'all', or a comma list such as cuda:0,cuda:0 (logical workers on one GPU)")
+    p.add_argument("--tiny", action="store_true", help="a 4-layer hidden-64 model, 32 tokens")
+    for k, v in QWEN3_1_7B.items():
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"default {v} (--tiny: {TINY[k]})")
+    p.add_argument("--num-microbatches", type=int, default=None)
+    p.add_argument("--parity-steps", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=2, help="RoundPipe's profiled steps (throughput; not timed)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps after those (and of the plain run)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps")
+    p.add_argument("--lr", type=float, default=None, help="default: 1e-2 (parity, SGD), 1e-5 (AdamW)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient_clip_val")
+    p.add_argument("--loss-tol", type=float, default=1e-2)
+    p.add_argument("--update-tol", type=float, default=5e-2)
+    p.add_argument("--device-memory-bytes", type=int, default=None,
+                   help="RoundPipe's device memory budget (CPU virtual devices: enables the peak memory metric)")
+    p.add_argument("--json", default=None, help="write the check's results here")
+    p.add_argument("--root-dir", default=None, help="Trainer default_root_dir (default: a temporary folder)")
+    args = p.parse_args(argv)
+    preset = TINY if args.tiny else QWEN3_1_7B
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.lr is None:
+        args.lr = 1e-2 if args.check == "parity" else 1e-5
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        p.error("--accelerator cuda: CUDA is not available (torch.cuda.is_available() is False); use --accelerator cpu")
+    try:
+        args.device_list = parse_devices(args.devices, args.accelerator)
+    except RuntimeError as error:
+        p.error(f"--devices {args.devices!r}: {error}")
+    if not args.device_list or any(d.type != args.accelerator for d in args.device_list):
+        p.error(f"--devices {args.devices!r}: give {args.accelerator} devices")
+    if args.root_dir is None:
+        import tempfile
+
+        args.root_dir = tempfile.mkdtemp(prefix="roundpipe-gpu-check-")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = Report(args.json, args.check, args)
+    t0 = time.perf_counter()
+    try:
+        ok = CHECKS[args.check](args, report)
+    except BaseException as e:
+        report.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000], wall_s=time.perf_counter() - t0)
+        raise
+    report.update(wall_s=time.perf_counter() - t0)
+    print(json.dumps(report.data, indent=2, default=str))
+    print(f"gpu_check {args.check}: {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

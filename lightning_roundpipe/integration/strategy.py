@@ -53,6 +53,24 @@ def format_stage_table(stages: Sequence[Any], layer_names: Sequence[str]) -> str
     return "\n".join(rows)
 
 
+def stage_memory_bytes(devices: Sequence[torch.device], device_memory_bytes: int | None) -> int | None:
+    """The memory budget of one stage on one worker: half of a device's memory (double buffering: the
+    next stage is prefetched). ``device_memory_bytes`` (one worker's memory) when given; else, on
+    GPUs, the first GPU's total memory shared by the logical workers on one GPU
+    (``parallel_devices=[torch.device("cuda:0")] * 4``: four workers with their own streams on one
+    GPU; the most crowded GPU counts); ``None`` on CPU virtual devices without a budget."""
+    if device_memory_bytes is not None:
+        return device_memory_bytes // 2
+    first = torch.device(devices[0])
+    if first.type != "cuda":
+        return None
+    counts: dict[int, int] = {}
+    for d in map(torch.device, devices):
+        index = d.index if d.index is not None else torch.cuda.current_device()
+        counts[index] = counts.get(index, 0) + 1
+    return torch.cuda.get_device_properties(first).total_memory // (2 * max(counts.values()))
+
+
 def _make_config(config: RoundPipeConfig | None, given: dict[str, Any]) -> RoundPipeConfig:
     """``config``, or a :class:`RoundPipeConfig` of the keyword arguments ``given``.
 
@@ -100,7 +118,9 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             (then they must stay at their defaults).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
             Lightning strategies;
-            ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``,
+            ``parallel_devices`` is normally filled from ``Trainer(accelerator=..., devices=...)``;
+            given here, one GPU may appear several times (``[torch.device("cuda:0")] * 4``: four
+            logical workers, each with its own streams, sharing that GPU's memory budget),
             the precision plugin from ``Trainer(precision=...)``: Lightning's plugin is wrapped in a
             :class:`~lightning_roundpipe.RoundPipePrecision` (``16-mixed`` on the CPU computes in
             fp16 with loss scaling, where Lightning's own plugin would fall back to bf16).
@@ -260,11 +280,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             self.partition.validate(len(seq))
         precision = self.precision_plugin
         devices = [torch.device(d) for d in (self.parallel_devices or [torch.device("cpu")])]
-        stage_memory = None
-        if self.device_memory_bytes is not None:
-            stage_memory = self.device_memory_bytes // 2  # double buffering: the next stage is prefetched
-        elif devices[0].type == "cuda":
-            stage_memory = torch.cuda.get_device_properties(devices[0]).total_memory // 2  # double buffering
+        stage_memory = stage_memory_bytes(devices, self.device_memory_bytes)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.engine = RoundPipeEngine.from_config(seq, devices, self.config, fitting=fitting,
                                                   compute_dtype=precision.compute_dtype,
