@@ -111,23 +111,32 @@ run_step() {
 
 want() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
-install() {
+# a function: run as `bash -c install_deps` under `timeout` (which runs programs, not functions)
+install_deps() {
   local torch_version
   torch_version=$("$PY" -c 'import torch; print(torch.__version__)') || return 1
   echo "torch==$torch_version" > "$OUT/constraints.txt"
   echo "keeping the installed torch==$torch_version (pip constraint)"
+  "$PY" -m pip --version >/dev/null 2>&1 || "$PY" -m ensurepip --upgrade || return 1
+  # a lent machine's system python may be marked externally managed (PEP 668); older pips ignore this
+  export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1
   if "$PY" -m pip install --disable-pip-version-check --progress-bar off -q -c "$OUT/constraints.txt" -e ".[test]"; then
     return 0
   fi
   echo "pip install -e \".[test]\" failed with torch pinned; installing the package without dependencies and every requirement but torch"
   "$PY" - > "$OUT/requirements-without-torch.txt" <<'PY' || return 1
 import re
+text = open("pyproject.toml").read()
 try:
     import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-for req in project["dependencies"] + project["optional-dependencies"]["test"]:
+    project = tomllib.loads(text)["project"]
+    reqs = project["dependencies"] + project["optional-dependencies"]["test"]
+except ImportError:  # Python 3.10: the two arrays by pattern
+    reqs = []
+    for key in ("dependencies", "test"):
+        block = re.search(rf"^{key}\s*=\s*\[(.*?)\]\s*$", text, re.M | re.S)
+        reqs += re.findall(r'"([^"]+)"', block.group(1)) if block else []
+for req in reqs:
     if not re.match(r"torch(?![A-Za-z0-9_.-])", req):
         print(req)
 PY
@@ -139,7 +148,7 @@ PY
 main() {
   echo "gpu_check: $PREFLIGHT"
   echo "gpu_check: output folder $OUT, budget ${BUDGET_S} s, steps: $STEPS"
-  git log -1 --oneline 2>/dev/null | sed 's/^/gpu_check: commit /'
+  command -v git >/dev/null 2>&1 && git log -1 --oneline 2>/dev/null | sed 's/^/gpu_check: commit /'
   [ "$ACCELERATOR" = cuda ] && command -v nvidia-smi >/dev/null 2>&1 && timeout 20 nvidia-smi
   local bench=(benchmarks/gpu_check.py) bench_args=()
   if [ "$ACCELERATOR" = cpu ]; then
@@ -151,7 +160,9 @@ main() {
   if [ "${GPU_CHECK_SKIP_INSTALL:-0}" = 1 ]; then
     echo "gpu_check: GPU_CHECK_SKIP_INSTALL=1: not installing"
   else
-    run_step install 150 300 install
+    export -f install_deps
+    export PY OUT
+    run_step install 150 300 bash -c install_deps
   fi
   # the tests read ROUNDPIPE_GPU_TEST_DEVICES (tests/test_gpu.py)
   want pytest_logical && run_step pytest_logical 100 220 env ROUNDPIPE_GPU_TEST_DEVICES=cuda:0,cuda:0,cuda:0,cuda:0 \

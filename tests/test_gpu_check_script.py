@@ -27,11 +27,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _spy_python(tmp_path: Path) -> tuple[Path, Path]:
-    """A ``python`` first on PATH that logs its arguments, then runs this interpreter."""
+    """A ``python`` first on PATH that logs its arguments, then runs this interpreter; with
+    ``SPY_FAKE_PIP=1`` it answers ``-m pip ...`` itself (exit 1 for the first ``install`` of
+    ``.[test]``, else 0) without running pip."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "python_calls.txt"
     bin_dir.mkdir()
     spy = bin_dir / "python"
-    spy.write_text(f'#!/usr/bin/env bash\necho "$*" >> "{calls}"\nexec "{sys.executable}" "$@"\n')
+    spy.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> "{calls}"
+if [ "${{SPY_FAKE_PIP:-0}}" = 1 ] && [ "$1 $2" = "-m pip" ]; then
+  case "$*" in *".[test]"*) [ -e "{calls}.failed" ] && exit 0; touch "{calls}.failed"; exit 1 ;; esac
+  exit 0
+fi
+exec "{sys.executable}" "$@"
+""")
     spy.chmod(0o755)
     return bin_dir, calls
 
@@ -81,6 +90,26 @@ def test_script_out_of_budget_skips_every_step_and_exits_nonzero_with_a_summary(
     log = (tmp_path / "out" / "log.txt").read_text()
     assert "step parity: SKIPPED" in log and "gpu_check: FAILED" in log
     assert "-m pip" not in calls.read_text()
+
+
+def test_script_installs_with_torch_pinned_and_falls_back_to_every_requirement_but_torch(tmp_path):
+    """pip (faked) refuses ``-e .[test]``: the package goes in without dependencies, then every other
+    requirement, all under the installed torch's pin."""
+    proc, _, calls = _run_script(tmp_path, timeout=120, GPU_CHECK_ACCELERATOR="cpu", GPU_CHECK_STEPS="none",
+                                 SPY_FAKE_PIP="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    pips = [line for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
+    assert len(pips) == 3, pips
+    constraint = f"-c {out}/constraints.txt"
+    assert constraint in pips[0] and pips[0].endswith("-e .[test]")
+    assert "--no-deps -e ." in pips[1] and constraint not in pips[1]
+    assert constraint in pips[2] and pips[2].endswith(f"-r {out}/requirements-without-torch.txt")
+    assert (out / "constraints.txt").read_text().strip() == f"torch=={torch.__version__}"
+    reqs = (out / "requirements-without-torch.txt").read_text().split()
+    assert "torchmetrics>=1.0" in reqs and "pytest>=8" in reqs and not any(r.startswith("torch=") for r in reqs)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is True and [(s["name"], s["rc"]) for s in summary["steps"]] == [("install", 0)]
 
 
 def _check_throughput(result: dict) -> None:
