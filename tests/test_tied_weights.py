@@ -45,7 +45,11 @@ def test_stage_rows_count_a_tied_weight_once_per_stage(compute_dtype):
                              activation_bytes=0, trainable_param_bytes=store.stage_grad_bytes(range(i, i + 1)))
                 for i in range(L)]
     shared = store.shared_weights()
-    assert [w.layers for w in shared] == [(0, L - 1)]
+    # the tied embedding / LM head, and the rotary buffers every decoder layer holds to rebuild the
+    # rotary tables on its stage's device (they are not carried across stage boundaries)
+    rotary_buffers = len(list(model.model.rotary_emb.buffers()))
+    assert rotary_buffers >= 1
+    assert [w.layers for w in shared] == [(0, L - 1)] + [tuple(range(1, L - 1))] * rotary_buffers
 
     whole = range(0, L)
     (stage,) = describe_stages(PartitionPlan((whole,), (whole,)), profiles, shared_weights=shared)
@@ -60,9 +64,13 @@ def test_stage_rows_count_a_tied_weight_once_per_stage(compute_dtype):
         assert s.param_bytes == w == store.stage_bytes(s.layers), s
         assert s.grad_bytes == (0 if s.kind == "forward" else g), s
     # the forward rows tile the layers once, yet add up to more than the model: the embedding stage
-    # and the LM head stage both upload the tied weight (what a sum of the column shows)
+    # and the LM head stage both upload the tied weight (what a sum of the column shows), and every
+    # stage with a decoder layer uploads the rotary buffers
     tied = model.lm_head.weight.numel() * (dtype_bytes or 4)
-    assert sum(s.param_bytes for s in stages if s.kind != "backward") == weights + tied
+    rotary = sum(b.numel() * b.element_size() for b in model.model.rotary_emb.buffers())
+    forward = [s for s in stages if s.kind != "backward"]
+    with_decoder = sum(1 for s in forward if any(1 <= i <= L - 2 for i in s.layers))
+    assert sum(s.param_bytes for s in forward) == weights + tied + rotary * (with_decoder - 1)
 
 
 def test_plan_one_stage_counts_the_tied_embedding_once():

@@ -2,20 +2,34 @@
 
 Layer sequence (issue 2, DESIGN.md section 2):
 
-- layer 0, *prefix*: token embedding, position ids, rotary embedding and the attention mask(s);
+- layer 0, *prefix*: token embedding and position ids;
 - layers 1..N: one per decoder layer;
 - layer N+1, *tail*: final norm, LM head and, when ``labels`` are given, the loss. The loss of a
   microbatch is its summed token loss divided by the number of label tokens of the **whole batch**
   (``num_items_in_batch``), so the sum over microbatches equals the full-batch loss exactly, also
   with unequal microbatches and padding.
 
+**What crosses a stage boundary** (DESIGN.md section 4): the carry between layers holds the hidden
+states ``(batch, seq, hidden)`` (the only entry with a gradient), the attention mask as the model
+got it (``(batch, seq)``, or ``None``), the position ids (``(batch or 1, seq)`` int64), and the
+entries only the tail or the routing reads (labels, ``num_items_in_batch``, the mixture-of-experts
+scalars). The 4D attention masks (full and sliding-window, ``O(seq^2)``) and the rotary ``cos``/
+``sin`` tables are *derived carry entries* (:class:`HFDerivedCarry`): the first decoder layer of
+each stage that reads one builds it on its device with transformers' own
+``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask`` and the model's
+``rotary_emb``, exactly as the model's forward builds them.
+
 The family table is data: a new family whose model class follows the same
 ``model.embed_tokens / model.layers / model.norm / lm_head`` layout is one entry in ``FAMILIES``
 (:mod:`~lightning_roundpipe.adapters.hf_families` adds Gemma 2/3, Phi-3, OLMo 2, Granite, the
 mixture-of-experts families and the generic entry). An entry's optional keys replace one piece:
-``prefix(body, config, mask_types)``, ``decoder(layer, layer_type, config)``, ``tail_kwargs(config)``
-(extra :class:`HFTail` arguments), ``tail_norm(norm, config)`` (the module the tail normalises with), ``check(model)`` (raises for configurations it cannot pipeline),
-``moe(model)`` (mixture-of-experts parts, :mod:`~lightning_roundpipe.adapters.hf_moe`).
+``prefix(body, config)``, ``decoder(layer, layer_type, derived)``, ``tail_kwargs(config)``
+(extra :class:`HFTail` arguments), ``tail_norm(norm, config)`` (the module the tail normalises with),
+``check(model)`` (raises for configurations it cannot pipeline), ``moe(model)`` (mixture-of-experts
+parts, :mod:`~lightning_roundpipe.adapters.hf_moe`); and two flags of the derived entries:
+``rotary_per_layer_type`` (one rotary table per layer type, ``rotary_emb(h, position_ids, layer_type)``:
+Gemma 3) and ``mask_positions`` (``False``: the masks are built without the position ids, as GPT-OSS
+builds them: no packed-sequence detection).
 """
 
 from __future__ import annotations
@@ -28,7 +42,7 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.adapters import chunked_loss
-from lightning_roundpipe.adapters.base import LayerSequence, module_uses_rng
+from lightning_roundpipe.adapters.base import DerivedCarry, LayerSequence, module_uses_rng
 
 #: ``config.model_type`` -> family notes. Every entry uses the standard layout
 #: ``<causal lm>.model.{embed_tokens, rotary_emb, layers, norm}`` and ``<causal lm>.lm_head``;
@@ -100,59 +114,114 @@ def _mask_call(fn, config, inputs_embeds, attention_mask, position_ids):
     return fn(**kw)
 
 
-class HFPrefix(nn.Module):
-    """Embedding, position ids, rotary embedding and attention masks."""
+#: the transformers mask builder of each attention type
+_MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 
-    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, mask_types: set[str]) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
+
+class HFDerivedCarry(DerivedCarry):
+    """Derived carry entries of an HF decoder: per attention type its 4D mask, and the rotary tables.
+
+    Entries: ``"mask/<layer type>"`` (``"mask/full_attention"``, ``"mask/sliding_attention"``): what
+    ``create_causal_mask`` / ``create_sliding_window_causal_mask`` return for the carry's hidden
+    states (shape, dtype, device), its 2D ``attention_mask`` and its ``position_ids``, as the
+    model's forward calls them: a ``(batch, 1, seq, seq)`` bool mask (sdpa), a float mask of the
+    hidden states' dtype with its minimum at masked positions (eager), ``None`` where the
+    attention needs none (sdpa without padding), or the carried mask itself when it is 4D.
+    ``"rotary"``: ``(cos, sin)``, each ``(batch or 1, seq, head_dim)`` in the hidden states'
+    dtype, from the model's ``rotary_emb``; with ``rotary_per_layer_type``, ``"rotary/<layer type>"``
+    per type instead (``rotary_emb(h, position_ids, layer_type)``).
+
+    Args:
+        rotary_emb: the model's ``model.rotary_emb`` (a submodule: its ``inv_freq`` is uploaded
+            with every stage that reads the tables).
+        config: the model config (``_attn_implementation``, ``sliding_window``).
+        layer_types: the attention type of every decoder layer.
+        rotary_per_layer_type: one rotary table per layer type (Gemma 3).
+        mask_positions: pass the position ids to the mask builders (packed-sequence detection
+            when there is no attention mask); ``False`` where the model's forward does not (GPT-OSS).
+
+    Raises:
+        ValueError: for a layer type without a transformers mask builder.
+    """
+
+    def __init__(self, rotary_emb: nn.Module, config: Any, layer_types: list[str], *,
+                 rotary_per_layer_type: bool = False, mask_positions: bool = True) -> None:
+        types = sorted(set(layer_types))
+        unknown = [t for t in types if t not in _MASK_BUILDERS]
+        if unknown:
+            raise ValueError(f"RoundPipe cannot build the attention mask of layer type(s) {unknown}; supported are"
+                             f" {sorted(_MASK_BUILDERS)}. HINT: train this model with the default strategy.")
+        rotary = [f"rotary/{t}" for t in types] if rotary_per_layer_type else ["rotary"]
+        # the masks and tables read the hidden states' shape, dtype and device only (not their values)
+        super().__init__(tuple(f"mask/{t}" for t in types) + tuple(rotary), sources=("attention_mask", "position_ids"),
+                         anchor="position_ids", shape_sources=("hidden_states",))
         self.rotary_emb = rotary_emb
         self.config = config
-        self.mask_types = mask_types
+        self.rotary_per_layer_type = rotary_per_layer_type
+        self.mask_positions = mask_positions
+
+    def build(self, carry: dict, name: str) -> Any:
+        h, pos = carry["hidden_states"], carry["position_ids"]
+        kind, _, layer_type = name.partition("/")
+        if kind == "mask":
+            from transformers import masking_utils
+
+            fn = getattr(masking_utils, _MASK_BUILDERS[layer_type])
+            return _mask_call(fn, self.config, h, carry.get("attention_mask"), pos if self.mask_positions else None)
+        if layer_type:
+            return self.rotary_emb(h, pos, layer_type)
+        return self.rotary_emb(h, pos)
+
+    def mask(self, carry: dict, layer_type: str) -> Any:
+        """The 4D mask of ``layer_type`` layers for ``carry``."""
+        return self.get(carry, f"mask/{layer_type}")
+
+    def rotary(self, carry: dict, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of ``layer_type`` layers for ``carry``."""
+        return self.get(carry, f"rotary/{layer_type}" if self.rotary_per_layer_type else "rotary")
+
+
+class HFPrefix(nn.Module):
+    """Token embedding and position ids: ``{input_ids, attention_mask, position_ids, ...}`` ->
+    ``{hidden_states, attention_mask, position_ids, ...}`` (``position_ids``: the given ones, else
+    ``arange(seq)`` of shape ``(1, seq)`` as the model's forward makes them; the other entries
+    pass through)."""
+
+    def __init__(self, embed_tokens: nn.Module, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.config = config
 
     def forward(self, carry: dict) -> dict:
-        from transformers import masking_utils
-
-        h = self.embed_tokens(carry["input_ids"])
+        h = self.scale_embeddings(self.embed_tokens(carry["input_ids"]))
         pos = carry.get("position_ids")
         if pos is None:
             pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        masks = {}
-        h = self.scale_embeddings(h)
-        if "full_attention" in self.mask_types:
-            masks["full_attention"] = _mask_call(masking_utils.create_causal_mask, self.config, h, carry.get("attention_mask"), pos)
-        if "sliding_attention" in self.mask_types:
-            masks["sliding_attention"] = _mask_call(
-                masking_utils.create_sliding_window_causal_mask, self.config, h, carry.get("attention_mask"), pos
-            )
-        out = {k: v for k, v in carry.items() if k not in ("input_ids", "attention_mask")}
-        out.update(hidden_states=h, position_ids=pos, position_embeddings=self.rotary(h, pos), masks=masks)
+        out = {k: v for k, v in carry.items() if k != "input_ids"}
+        out.update(hidden_states=h, position_ids=pos)
         return out
 
     def scale_embeddings(self, h: torch.Tensor) -> torch.Tensor:
         """Families that scale the embeddings outside the embedding module override this."""
         return h
 
-    def rotary(self, h: torch.Tensor, pos: torch.Tensor) -> Any:
-        """``(cos, sin)``, or a dict by layer type for families with one rotary table per type."""
-        return self.rotary_emb(h, pos)
-
 
 class HFDecoderLayer(nn.Module):
-    """One decoder layer; reads the mask of its attention type from the carry."""
+    """One decoder layer; reads the mask of its attention type and its rotary table from the
+    derived carry entries (:class:`HFDerivedCarry`), built once per stage."""
 
-    def __init__(self, layer: nn.Module, mask_type: str) -> None:
+    def __init__(self, layer: nn.Module, mask_type: str, derived: HFDerivedCarry) -> None:
         super().__init__()
         self.layer = layer
         self.mask_type = mask_type
+        self.derived = derived
 
     def forward(self, carry: dict) -> dict:
-        rotary = carry["position_embeddings"]
         h = self.layer(
             carry["hidden_states"],
-            attention_mask=carry["masks"].get(self.mask_type),
+            attention_mask=self.derived.mask(carry, self.mask_type),
             position_ids=carry["position_ids"],
-            position_embeddings=rotary[self.mask_type] if isinstance(rotary, dict) else rotary,
+            position_embeddings=self.derived.rotary(carry, self.mask_type),
             use_cache=False,
         )
         if isinstance(h, tuple):  # transformers < 5 returns a tuple
@@ -255,6 +324,39 @@ def host_call(args: tuple, kwargs: dict, supported: tuple[str, ...] = _SUPPORTED
     return bool(_unsupported(kwargs, supported))
 
 
+def boundary_carry_bytes(prepare: Any, hidden_size: int, kwargs: dict, dtype: torch.dtype,
+                         num_microbatches: int = 1) -> int:
+    """Bytes one stage boundary's carries hold, all microbatches together (what crosses each hop
+    device -> host -> device, and what the host saves there), for a call with ``kwargs``.
+
+    The carry of every decoder boundary is the prefix's output: ``prepare``'s carry with
+    ``input_ids`` replaced by the hidden states ``(rows, seq, hidden_size)`` of ``dtype`` and the
+    position ids ``(1, seq)`` int64 made when none were given, cut into microbatches as the runtime
+    cuts it (entries without the batch dimension, such as ``num_items_in_batch``, go to every
+    microbatch). No entry is ``O(seq^2)``: the 4D masks and the rotary tables are derived entries.
+
+    Args:
+        prepare: the layer sequence's ``prepare``.
+        hidden_size: the model's hidden size.
+        kwargs: the call's keyword arguments (``input_ids`` of shape ``(batch, seq)``...).
+        dtype: the hidden states' dtype (the compute dtype).
+        num_microbatches: microbatches the batch is cut into.
+    """
+    from lightning_roundpipe.runtime.microbatch import split_microbatches
+
+    carry = dict(prepare((), kwargs))
+    rows, seq = carry.pop("input_ids").shape
+    carry["hidden_states"] = torch.empty((rows, seq, hidden_size), dtype=dtype, device="meta")
+    microbatches, _ = split_microbatches(carry, num_microbatches)
+    total = 0
+    for mb in microbatches:
+        if mb.get("position_ids") is None:
+            mb["position_ids"] = torch.empty((1, seq), dtype=torch.int64, device="meta")
+        total += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(mb)
+                     if isinstance(t, torch.Tensor))
+    return total
+
+
 def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
     """Layer sequence of a supported HF causal LM (``model`` may be PEFT-wrapped).
 
@@ -299,19 +401,20 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         sliding = sw_attr is not None and getattr(cfg, sw_attr, None) is not None
         layer_types = ["sliding_attention" if sliding else "full_attention"] * n
     moe = entry["moe"](inner) if entry.get("moe") is not None else None
-    make_decoder = entry.get("decoder") or (lambda layer, layer_type, config: HFDecoderLayer(layer, layer_type))
+    derived = HFDerivedCarry(body.rotary_emb, cfg, layer_types, rotary_per_layer_type=entry.get("rotary_per_layer_type", False),
+                             mask_positions=entry.get("mask_positions", True))
+    make_decoder = entry.get("decoder") or HFDecoderLayer
     if moe is not None:
         make_decoder = moe.decoder
-    decoder = [make_decoder(body.layers[i], layer_types[i], cfg) for i in range(n)]
-    make_prefix = entry.get("prefix") or (lambda body_, config, mask_types: HFPrefix(body_.embed_tokens, body_.rotary_emb,
-                                                                                     config, mask_types))
-    layers: list[nn.Module] = [make_prefix(body, cfg, set(layer_types))]
+    decoder = [make_decoder(body.layers[i], layer_types[i], derived) for i in range(n)]
+    make_prefix = entry.get("prefix") or (lambda body_, config: HFPrefix(body_.embed_tokens, config))
+    layers: list[nn.Module] = [make_prefix(body, cfg)]
     layers += decoder
     tail_kwargs = entry["tail_kwargs"](cfg) if entry.get("tail_kwargs") is not None else {}
     norm = entry["tail_norm"](body.norm, cfg) if entry.get("tail_norm") is not None else body.norm
     tail = HFTail(norm, inner.lm_head, inner.loss_function, cfg.vocab_size, **tail_kwargs)
     layers.append(moe.tail(tail) if moe is not None else tail)
-    names = ["prefix(embed,rotary,mask)"] + [f"layers.{i}" for i in range(n)] + ["tail(norm,lm_head,loss)"]
+    names = ["prefix(embed,positions)"] + [f"layers.{i}" for i in range(n)] + ["tail(norm,lm_head,loss)"]
     supported = _SUPPORTED + (moe.kwargs if moe is not None else ())
 
     def prepare(args: tuple, kwargs: dict) -> dict:
@@ -368,4 +471,7 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         additive_scalars=True,
         routing=moe.routing_spec(layer_offset=1) if moe is not None else None,
         host_call=lambda args, kwargs: host_call(args, kwargs, supported),
+        derived=derived,
+        boundary_bytes=lambda kwargs, dtype, num_microbatches=1: boundary_carry_bytes(
+            prepare, cfg.hidden_size, kwargs, dtype, num_microbatches),
     )

@@ -9,8 +9,8 @@ Each entry names only what differs from the standard layout (see
   ``config.layer_types``; the final logits soft-capped (``final_logit_softcapping``: the tail's
   ``logit_softcap``).
 - **Gemma 3** (text, ``gemma3_text``): as Gemma 2 (``Gemma3TextScaledWordEmbedding``), plus one
-  rotary table per layer type (local and global ``rope_parameters``): the prefix computes both,
-  each layer reads its own. ``use_bidirectional_attention`` is rejected.
+  rotary table per layer type (local and global ``rope_parameters``): each stage builds the tables
+  of the types its layers read (``rotary_per_layer_type``). ``use_bidirectional_attention`` is rejected.
 - **Phi-3** (``phi3``: fused ``qkv_proj``/``gate_up_proj`` inside the layers), **OLMo 2**
   (``olmo2``: norms after attention and MLP inside the layers): the standard layout.
 - **Granite** (``granite``): embeddings times ``embedding_multiplier`` (the model's forward does it:
@@ -18,7 +18,8 @@ Each entry names only what differs from the standard layout (see
   divided by ``logits_scaling``, done on the normed hidden states before the (bias-free) LM head,
   ``W (h / s) = (W h) / s`` up to rounding.
 - **Qwen3-MoE**, **GPT-OSS**: mixture of experts with routing replay and the load-balancing loss
-  (:mod:`~lightning_roundpipe.adapters.hf_moe`).
+  (:mod:`~lightning_roundpipe.adapters.hf_moe`); GPT-OSS builds its masks without the position ids
+  (``mask_positions``), as its forward does.
 - **generic**: any other ``...ForCausalLM`` with ``model.embed_tokens``, ``model.layers``,
   ``model.norm``, ``model.rotary_emb`` and ``lm_head``, run as a Llama-like model: correct when its
   forward does nothing beyond that layout (a warning says it is not verified); refused with an
@@ -45,13 +46,6 @@ class GranitePrefix(HFPrefix):
         return h * self.config.embedding_multiplier
 
 
-class PerTypeRotaryPrefix(HFPrefix):
-    """Gemma 3: one rotary table per layer type, ``rotary_emb(h, position_ids, layer_type)``."""
-
-    def rotary(self, h: torch.Tensor, pos: torch.Tensor) -> Any:
-        return {layer_type: self.rotary_emb(h, pos, layer_type) for layer_type in sorted(set(self.config.layer_types))}
-
-
 class ScaledNorm(nn.Module):
     """``norm(h) / divisor``: Granite's ``logits_scaling`` moved in front of the bias-free LM head."""
 
@@ -65,7 +59,7 @@ class ScaledNorm(nn.Module):
 
 
 def _prefix(cls):
-    return lambda body, config, mask_types: cls(body.embed_tokens, body.rotary_emb, config, mask_types)
+    return lambda body, config: cls(body.embed_tokens, config)
 
 
 def _softcap(config: Any) -> dict:
@@ -124,13 +118,13 @@ def _generic_check(model: nn.Module) -> None:
 
 FAMILIES.update({
     "gemma2": {"sliding_window_attr": None, "tail_kwargs": _softcap},
-    "gemma3_text": {"sliding_window_attr": None, "tail_kwargs": _softcap, "prefix": _prefix(PerTypeRotaryPrefix),
+    "gemma3_text": {"sliding_window_attr": None, "tail_kwargs": _softcap, "rotary_per_layer_type": True,
                     "check": _check_gemma3},
     "phi3": {"sliding_window_attr": "sliding_window"},
     "olmo2": {"sliding_window_attr": None},
     "granite": {"sliding_window_attr": None, "prefix": _prefix(GranitePrefix), "tail_norm": _granite_norm,
                 "check": _check_granite},
     "qwen3_moe": {"sliding_window_attr": "sliding_window", "moe": moe_parts},
-    "gpt_oss": {"sliding_window_attr": None, "moe": moe_parts},
+    "gpt_oss": {"sliding_window_attr": None, "moe": moe_parts, "mask_positions": False},
     "generic": {"sliding_window_attr": "sliding_window", "check": _generic_check},
 })

@@ -141,7 +141,7 @@ class HFMoeDecoderLayer(nn.Module):
         scope = routing.current()
         if scope is not None and carry.get("router_aux_on"):
             h = carry["hidden_states"]
-            mask = carry.get("token_mask")
+            mask = carry.get("attention_mask")  # the carried 2D mask: the tokens the loss counts
             flat = (mask.reshape(-1).to(torch.float32) if mask is not None
                     else torch.ones(h.shape[0] * h.shape[1], dtype=torch.float32, device=h.device))
             scope.batch["aux"] = {"mask": flat, "weight": self.num_experts / carry["router_rows"] ** 2}
@@ -180,9 +180,9 @@ class MoeParts:
         self.routing_decoders: list[int] = []
         self._index = 0
 
-    def decoder(self, layer: nn.Module, layer_type: str, config: Any) -> nn.Module:
+    def decoder(self, layer: nn.Module, layer_type: str, derived: nn.Module) -> nn.Module:
         index, self._index = self._index, self._index + 1
-        dense = HFDecoderLayer(layer, layer_type)
+        dense = HFDecoderLayer(layer, layer_type, derived)
         router = _router_of(layer, self.spec)
         if router is None:
             return dense
@@ -208,8 +208,6 @@ class MoeParts:
         tokens = float(mask.sum()) if mask is not None else float(carry["input_ids"].numel())
         carry["router_rows"] = len(self.routing_decoders) * tokens
         carry["router_aux"] = torch.zeros((), dtype=torch.float32)
-        if mask is not None:
-            carry["token_mask"] = mask
 
     def finalize(self, merged: dict) -> Any:
         from transformers.modeling_outputs import MoeCausalLMOutputWithPast

@@ -33,7 +33,9 @@ class RoundPipeMetricsCallback(Callback):
     step ran, from the measured per-layer times, plus the measured optimizer time (after the
     profiled steps), ``roundpipe/host_memory(GiB)`` the host bytes of the model's parameters
     (masters, compute copies, gradients and their host buffers, optimizer state; see
-    :func:`~lightning_roundpipe.runtime.memory.host_memory`). With
+    :func:`~lightning_roundpipe.runtime.memory.host_memory`), ``roundpipe/boundary_bytes_per_microbatch(bytes)``
+    the mean bytes of one microbatch's carry at a stage boundary, what each hop moves device -> host
+    -> device (:func:`~lightning_roundpipe.metrics.step.boundary_hop_bytes`). With
     ``RoundPipeStrategy(optimizer="async")`` also ``roundpipe/optimizer_thread(s)`` and
     ``roundpipe/optimizer_wait(s)`` (:meth:`AsyncOptimizer.pop_metrics`). Evaluation phases are
     not logged (the engine keeps no timeline of them). With several nodes (one process each) rank 0
@@ -99,7 +101,7 @@ class RoundPipeMetricsCallback(Callback):
         memory = engine.host_memory(trainer.optimizers)
         timelines = engine.pop_timelines()
         metrics = step_metrics(timelines, step_s=step_s, optimizer_s=optimizer_s, predicted_step_s=predicted,
-                               host_memory_bytes=memory.total_bytes)
+                               host_memory_bytes=memory.total_bytes, programs=programs)
         async_optimizer = getattr(trainer.strategy, "async_optimizer", None)
         if metrics and async_optimizer is not None:
             metrics.update(async_optimizer.pop_metrics())

@@ -6,16 +6,42 @@ Keys carry their unit: ``roundpipe/device0/bubble(%)``, ``roundpipe/device0/comp
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from lightning_roundpipe.metrics.timeline import Timeline
 
 GIB = float(2**30)
 
 
+def boundary_hop_bytes(timelines: Sequence[Timeline], programs: Sequence[Any]) -> list[int]:
+    """Bytes of each stage-boundary carry the devices uploaded: one entry per hop and microbatch.
+
+    A hop is the ``H2D`` of a compute op's input whose stage does not start at layer 0 (layer 0's
+    input is the microbatch itself): the carry a stage sent device -> host, or the one the host
+    saved for a backward stage's recomputation, copied host -> device. Its bytes are what the
+    runtime copied (every tensor of the carry).
+
+    Args:
+        timelines: measured timelines (their intervals' ``label`` is the op, ``"3H2D1"``).
+        programs: the stream program of each timeline, in the same order (their ``plan.stages[i].layers``).
+    """
+    from lightning_roundpipe.schedule.program import Op, OpKind
+
+    out = []
+    for timeline, program in zip(timelines, programs):
+        stages = program.plan.stages
+        for interval in timeline.intervals:
+            if interval.kind != "H2D" or interval.stream != "h2d" or not interval.label:
+                continue
+            op = Op.parse(interval.label)
+            if op.kind is OpKind.H2D and stages[op.stage_index].layers.start > 0:
+                out.append(interval.nbytes)
+    return out
+
+
 def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe", *, step_s: float | None = None,
                  optimizer_s: float | None = None, predicted_step_s: float | None = None,
-                 host_memory_bytes: int | None = None) -> dict[str, float]:
+                 host_memory_bytes: int | None = None, programs: Sequence[Any] | None = None) -> dict[str, float]:
     """Metrics of one training step made of ``timelines`` (its programs, run one after another).
 
     Per device ``d``: ``compute(s)``, ``idle(s)`` (step wall time minus compute), ``bubble(%)``
@@ -25,8 +51,10 @@ def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe", *, st
     ``step(s)`` (``step_s`` when given: the whole step, phases, the gaps between them and the
     optimizer; else the programs' wall times summed), ``pipeline(s)`` (the programs' wall times),
     ``optimizer(s)`` and ``predicted_step(s)`` when given, ``host_memory(GiB)`` (``host_memory_bytes``
-    when given: the model's host bytes, masters, shadows, gradients and optimizer state), and
-    ``bubble(%)`` (mean over devices).
+    when given: the model's host bytes, masters, shadows, gradients and optimizer state),
+    ``boundary_bytes_per_microbatch(bytes)`` (with the timelines' ``programs``: the mean bytes of
+    one stage-boundary carry of one microbatch, :func:`boundary_hop_bytes`; what each hop moves
+    device -> host -> device and what the host saves there) and ``bubble(%)`` (mean over devices).
 
     Returns:
         ``{}`` when ``timelines`` is empty.
@@ -43,6 +71,9 @@ def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe", *, st
         out[f"{prefix}/predicted_step(s)"] = predicted_step_s
     if host_memory_bytes is not None:
         out[f"{prefix}/host_memory(GiB)"] = host_memory_bytes / GIB
+    hops = boundary_hop_bytes(timelines, programs) if programs is not None else []
+    if hops:
+        out[f"{prefix}/boundary_bytes_per_microbatch(bytes)"] = sum(hops) / len(hops)
     bubbles = []
     for d in range(n):
         compute = sum(t.compute_s(d) for t in timelines)

@@ -21,13 +21,18 @@ from lightning_roundpipe.adapters.base import LayerSequence
 
 def layer_module_names(seq: LayerSequence) -> list[str]:
     """Per layer of ``seq``, the qualified name(s) in ``seq.target`` of the model modules it runs,
-    comma-separated (``"model.layers.3"``; ``"model.embed_tokens, model.rotary_emb"`` for a
-    Hugging Face prefix); ``seq.layer_names[i]`` for a layer that holds no module of the target."""
+    comma-separated (``"model.layers.3"``; ``"model.embed_tokens"`` for a Hugging Face prefix);
+    the modules that build derived carry entries (``seq.derived``: ``model.rotary_emb``), which
+    every decoder layer holds, are named only for a layer that runs nothing else;
+    ``seq.layer_names[i]`` for a layer that holds no module of the target."""
     names = {id(m): n for n, m in seq.target.named_modules(remove_duplicate=False)}
+    helpers = {id(m) for m in seq.derived.modules()} if seq.derived is not None else set()
     out = []
     for index, layer in enumerate(seq.layers):
         found: list[str] = []
-        for _, sub in layer.named_modules():
+        subs = [sub for _, sub in layer.named_modules()]
+        own = [sub for sub in subs if id(sub) not in helpers and id(sub) in names]
+        for sub in own or subs:
             name = names.get(id(sub))
             if name is not None and not any(name == f or name.startswith(f + ".") for f in found):
                 found.append(name)
