@@ -1,7 +1,7 @@
 """Modelled layer profiles: FLOPs and bytes per layer from a Hugging Face config, no weights allocated.
 
 The layer sequence is the one the adapters build (``adapters/hf_causal_lm.py``): entry 0 is the
-*prefix* (token embedding, rotary tables, mask), entries ``1..N`` are the decoder layers, entry
+*prefix* (token embedding, position ids), entries ``1..N`` are the decoder layers, entry
 ``N + 1`` is the *tail* (final norm, LM head, loss): ``L = num_hidden_layers + 2`` entries.
 
 Everything is arithmetic on the config (:class:`ModelShape`); :func:`meta_param_counts` builds the
