@@ -98,10 +98,11 @@ def test_bf16_mixed_gradient_error_does_not_grow_with_microbatches(kind):
 
 def test_fp32_compute_keeps_the_zero_copy_gradient_path():
     """No accumulator where the compute dtype is fp32 (autograd's own sum is exact); one covering exactly
-    the trainable bf16 views under bf16, whose download is fp32 bytes (a formula)."""
+    the trainable bf16 views under bf16 (the Linear's weight: its bias is uploaded in fp32 and summed by
+    autograd, DESIGN.md section 5), whose download is fp32 bytes (a formula)."""
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
     model[1].requires_grad_(False)
-    for dtype, expected in ((None, None), (torch.bfloat16, 4 * 6 + 6)):
+    for dtype, expected in ((None, None), (torch.bfloat16, 4 * 6)):
         store = WeightStore([model], compute_dtype=dtype)
         store.refresh()
         layout = store.layout(range(0, 1))
@@ -112,7 +113,8 @@ def test_fp32_compute_keeps_the_zero_copy_gradient_path():
             assert store.stage_grad_bytes(range(0, 1)) == (4 * 6 + 6) * 4
         else:
             assert resident.accumulator.numel == expected
-            assert store.stage_grad_bytes(range(0, 1)) == expected * 4  # fp32 download, frozen layer: 0 bytes
+            assert [view.dtype for _, view in resident.grad_pairs] == [torch.bfloat16, torch.float32]
+            assert store.stage_grad_bytes(range(0, 1)) == (4 * 6 + 6) * 4  # fp32 download, frozen layer: 0 bytes
         store.restore_frozen()
 
 
@@ -218,6 +220,10 @@ def test_frozen_parameters_become_their_own_compute_copy_and_are_restored():
     assert model[0].weight.dtype == torch.bfloat16 and frozen.shadow.data_ptr() == model[0].weight.data_ptr()
     trainable = store.tensors[id(model[1].weight)]
     assert model[1].weight.dtype == torch.float32 and trainable.shadow.dtype == torch.bfloat16
+    # biases are no matmul weights: fp32 upload, so the frozen one keeps its fp32 master as its upload copy
+    bias = store.tensors[id(model[0].bias)]
+    assert model[0].bias.dtype == bias.shadow.dtype == torch.float32 and bias.original_dtype is None
+    assert bias.shadow.data_ptr() == model[0].bias.data_ptr()
     assert store.refresh() == 0  # nothing copied again
     store.restore_frozen()
     assert model[0].weight.dtype == torch.float32

@@ -31,6 +31,7 @@ from torch import nn
 
 import lightning_roundpipe
 from lightning_roundpipe import RoundPipePrecision
+from lightning_roundpipe.runtime.store import WeightStore
 from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, loader, params, tiny_hf, trainer
 
 PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"]
@@ -407,6 +408,85 @@ def test_fused_16_mixed_gradients_do_not_underflow():
     unseeded = relative(first_grads("roundpipe", dict(precision="16-mixed"), [Unseeded()]), ref)
     print(f"fused 16-mixed gradients vs fp32: seeded {seeded:.3e}, unseeded {unseeded:.3e}, bound {bound:.3e}")
     assert seeded <= bound < unseeded
+
+
+# ---------------------------------------------------------------------------------------- what is uploaded in half
+class ConvTiedNet(nn.Module):
+    """An embedding tied to the LM head, a Conv1d and a Linear with biases, a LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.conv = nn.Conv1d(16, 16, 3, padding=1)
+        self.norm = nn.LayerNorm(16)
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(h + self.proj(self.norm(h)))
+
+
+def _llama_lora() -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_hf("llama", layers=2), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                 lora_dropout=0.0))
+
+
+def _autocast_run(model: nn.Module, ids: torch.Tensor, tensors: dict, dtype: torch.dtype) -> torch.Tensor:
+    """Forward under CPU autocast with ``tensors`` as the parameters, then the backward of a loss."""
+    with torch.autocast("cpu", dtype=dtype):
+        out = torch.func.functional_call(model, tensors, (ids,))
+    out = getattr(out, "logits", out)
+    out.float().square().mean().backward()
+    return out.detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("make", [ConvTiedNet, _llama_lora], ids=["conv_tied", "llama_lora"])
+def test_uploaded_copies_compute_bitwise_what_autocast_computes(make, dtype):
+    """Oracle: the module under CPU autocast with its fp32 parameters (Lightning's mixed precision).
+    Run on the weight store's upload copies under the same autocast, the outputs and every gradient are
+    bitwise equal (all parameters uploaded in half, the old rule, changes both); the matmul weights
+    (Linear / Conv weights, LoRA A/B, the frozen base linears) are the ones in half, and every other
+    parameter but the biases must stay fp32: rounding it alone to ``dtype`` changes the output."""
+    torch.manual_seed(0)
+    model = make()
+    with torch.no_grad():  # no parameter exactly representable in half (norm weights start at 1)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids = torch.randint(0, 50, (2, 8))
+    fp32 = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def leaves(tensors: dict) -> dict:
+        return {n: t.detach().clone().requires_grad_(model.get_parameter(n).requires_grad) for n, t in tensors.items()}
+
+    ref_leaves = leaves(fp32)
+    ref = _autocast_run(model, ids, ref_leaves, dtype)
+    store = WeightStore([model], compute_dtype=dtype)
+    try:
+        store.refresh()
+        got_leaves = leaves({n: store.tensors[id(p)].shadow for n, p in model.named_parameters()})
+    finally:
+        store.restore_frozen()
+    got = _autocast_run(model, ids, got_leaves, dtype)
+    assert torch.equal(got, ref)
+    trained = [n for n, t in ref_leaves.items() if t.grad is not None]
+    assert trained and all(torch.equal(got_leaves[n].grad.float(), ref_leaves[n].grad) for n in trained)
+
+    half = {n for n, t in got_leaves.items() if t.dtype == dtype}
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    matmul = {n for n, p in model.named_parameters() for m in model.modules()
+              if isinstance(m, (nn.Linear, nn.Conv1d)) and m.weight is p and id(p) not in tied}
+    assert half == matmul and {t.dtype for n, t in got_leaves.items() if n not in half} == {torch.float32}
+    for n in fp32.keys() - half:
+        if n.endswith("bias"):
+            continue  # autocast casts a Linear's / Conv's bias too: fp32 by choice (DESIGN.md section 5)
+        rounded = dict(fp32, **{n: fp32[n].to(dtype).float()})
+        assert not torch.equal(_autocast_run(model, ids, leaves(rounded), dtype), ref), n
 
 
 # ---------------------------------------------------------------------------------------- choices and errors

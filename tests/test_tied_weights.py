@@ -12,6 +12,7 @@ import argparse
 
 import pytest
 import torch
+from torch import nn
 
 from _helpers import tiny_hf
 from lightning_roundpipe.adapters import make_layer_sequence
@@ -20,12 +21,26 @@ from lightning_roundpipe.partition import LayerProfile, PartitionPlan, describe_
 from lightning_roundpipe.runtime.store import WeightStore
 
 
-def distinct_bytes(modules, dtype_bytes: int | None = None) -> tuple[int, int]:
+def matmul_weights(modules) -> set[int]:
+    """``id`` of the parameters that only ``nn.Linear`` modules register, as their ``weight``: the
+    operands autocast casts to its dtype anyway (DESIGN.md section 5), uploaded in the compute dtype
+    under mixed precision. A weight tied to an ``nn.Embedding`` is not one (the embedding reads fp32)."""
+    linear, other = set(), set()
+    for m in modules:
+        for module in m.modules():
+            for name, p in module.named_parameters(recurse=False):
+                (linear if isinstance(module, nn.Linear) and name == "weight" else other).add(id(p))
+    return linear - other
+
+
+def distinct_bytes(modules, dtype_bytes: int | None = None, half: set[int] = frozenset()) -> tuple[int, int]:
     """``(weights, gradients)`` bytes of the distinct parameters and buffers of ``modules``: each tensor
-    once, floating-point parameters at ``dtype_bytes`` each when given (the upload dtype)."""
+    once, the matmul weights ``half`` (of the whole model) at ``dtype_bytes`` each when given (the upload
+    dtype of mixed precision), everything else in its own dtype."""
     params = {id(p): p for m in modules for p in m.parameters()}
     buffers = {id(b): b for m in modules for b in m.buffers()}
-    size = {k: p.numel() * (dtype_bytes or p.element_size()) for k, p in params.items()}
+    half = half if dtype_bytes else set()
+    size = {k: p.numel() * (dtype_bytes if k in half else p.element_size()) for k, p in params.items()}
     grads = sum(p.numel() * 4 for k, p in params.items() if p.requires_grad)  # fp32 gradient download
     return sum(size.values()) + sum(b.numel() * b.element_size() for b in buffers.values()), grads
 
@@ -53,20 +68,22 @@ def test_stage_rows_count_a_tied_weight_once_per_stage(compute_dtype):
 
     whole = range(0, L)
     (stage,) = describe_stages(PartitionPlan((whole,), (whole,)), profiles, shared_weights=shared)
-    weights, grads = distinct_bytes([model], dtype_bytes)
+    half = matmul_weights([model])
+    assert id(model.lm_head.weight) not in half and id(model.model.layers[0].mlp.up_proj.weight) in half
+    weights, grads = distinct_bytes([model], dtype_bytes, half)
     assert stage.param_bytes == weights == store.stage_bytes(whole)
     assert stage.grad_bytes == grads == store.stage_grad_bytes(whole)
 
     plan = PartitionPlan((range(0, 2), range(2, 5), range(5, L)), (range(5, L), range(2, 5), range(0, 2)))
     stages = describe_stages(plan, profiles, shared_weights=shared)
     for s in stages:
-        w, g = distinct_bytes([seq.layers[i] for i in s.layers], dtype_bytes)
+        w, g = distinct_bytes([seq.layers[i] for i in s.layers], dtype_bytes, half)
         assert s.param_bytes == w == store.stage_bytes(s.layers), s
         assert s.grad_bytes == (0 if s.kind == "forward" else g), s
     # the forward rows tile the layers once, yet add up to more than the model: the embedding stage
     # and the LM head stage both upload the tied weight (what a sum of the column shows), and every
     # stage with a decoder layer uploads the rotary buffers
-    tied = model.lm_head.weight.numel() * (dtype_bytes or 4)
+    tied = model.lm_head.weight.numel() * 4  # fp32 also under mixed precision: the embedding reads it
     rotary = sum(b.numel() * b.element_size() for b in model.model.rotary_emb.buffers())
     forward = [s for s in stages if s.kind != "backward"]
     with_decoder = sum(1 for s in forward if any(1 <= i <= L - 2 for i in s.layers))

@@ -4,19 +4,25 @@ DESIGN.md section 5. The plugin wraps the Lightning plugin of the same precision
 ``MixedPrecision``, ``HalfPrecision``, ``DoublePrecision``) and delegates to it everything that
 happens on the main thread: module and input conversion, init contexts, loss scaling, unscaling,
 clipping, the optimizer step and the scaler's checkpoint state. What it adds is what the device
-workers need, as plain dtypes and a number (the runtime knows no Lightning): the dtype parameters
-are uploaded in (:attr:`~RoundPipePrecision.compute_dtype`), the workers' ``torch.autocast`` dtype
+workers need, as plain dtypes and a number (the runtime knows no Lightning): the dtype the matmul
+weights are uploaded in (:attr:`~RoundPipePrecision.compute_dtype`), the workers' ``torch.autocast`` dtype
 (:attr:`~RoundPipePrecision.autocast_dtype`; autocast is thread-local, so the workers set it
 themselves) and the seed of the fused tail's backward (:meth:`~RoundPipePrecision.loss_seed`).
 
-| precision  | CPU master | uploaded compute copy           | grads on CPU | loss scaling               |
-|------------|------------|---------------------------------|--------------|----------------------------|
-| 32-true    | fp32       | fp32                            | fp32         | no                         |
-| 64-true    | fp64       | fp64                            | fp64         | no                         |
-| bf16-mixed | fp32       | bf16 weights, bf16 autocast     | fp32         | no                         |
-| 16-mixed   | fp32       | fp16 weights, fp16 autocast     | fp32         | dynamic (``GradScaler``)   |
-| bf16-true  | bf16       | bf16                            | bf16         | no                         |
-| 16-true    | fp16       | fp16                            | fp16         | no (as Lightning's)        |
+| precision  | CPU master | uploaded compute copy                             | grads on CPU | loss scaling             |
+|------------|------------|---------------------------------------------------|--------------|--------------------------|
+| 32-true    | fp32       | fp32                                              | fp32         | no                       |
+| 64-true    | fp64       | fp64                                              | fp64         | no                       |
+| bf16-mixed | fp32       | matmul weights bf16, the rest fp32; bf16 autocast | fp32         | no                       |
+| 16-mixed   | fp32       | matmul weights fp16, the rest fp32; fp16 autocast | fp32         | dynamic (``GradScaler``) |
+| bf16-true  | bf16       | bf16                                              | bf16         | no                       |
+| 16-true    | fp16       | fp16                                              | fp16         | no (as Lightning's)      |
+
+Under the mixed precisions the devices compute what Lightning's autocast computes for the same module:
+only the matmul weights (``nn.Linear`` and convolution weights, LoRA's included), which autocast casts
+anyway, travel in half precision; norms, biases, embeddings (a tied embedding / LM head weight too) and
+buffers travel in fp32, so embedding outputs, norms and the residual stream between stages stay fp32
+(:func:`~lightning_roundpipe.runtime.store.autocast_cast_weights`).
 
 Code of the LightningModule outside the pipelined model runs on the main thread as under
 Lightning's own plugin: under CPU autocast for the mixed precisions (so a loss computed there is
@@ -142,8 +148,10 @@ class RoundPipePrecision(Precision):
     # ------------------------------------------------------------------ what the device workers get
     @property
     def compute_dtype(self) -> torch.dtype | None:
-        """Dtype floating-point parameters are uploaded in: ``torch.bfloat16`` / ``torch.float16``
-        for the mixed precisions, ``None`` (as the masters: fp32, fp64, bf16 or fp16) otherwise."""
+        """Dtype the matmul weights (``nn.Linear`` / convolution weights) are uploaded in:
+        ``torch.bfloat16`` / ``torch.float16`` for the mixed precisions (every other parameter and
+        buffer is uploaded in fp32, as autocast reads it), ``None`` (every tensor as its master: fp32,
+        fp64, bf16 or fp16) otherwise."""
         return self.autocast_dtype
 
     @property

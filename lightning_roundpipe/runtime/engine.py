@@ -56,7 +56,9 @@ class RoundPipeEngine:
         num_microbatches: microbatches per call (at most the batch size is used).
         partition: forward and backward stage boundaries; default: forward stages of 3 layers,
             backward stages of 1 layer (:func:`default_stage_ranges`).
-        compute_dtype: dtype of uploaded parameters (``None``: as the masters).
+        compute_dtype: dtype the matmul weights (``nn.Linear`` / convolution weights) are uploaded in
+            under mixed precision, the other tensors keeping their master's dtype (``None``: every
+            tensor as its master; see :class:`~lightning_roundpipe.runtime.store.WeightStore`).
         autocast_dtype: ``torch.autocast`` dtype on the workers (``None``: no autocast).
         auto_partition_after_steps: profile every layer during this many steps (the first is
             dropped as warm-up), then re-cut the stages with

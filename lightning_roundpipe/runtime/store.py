@@ -1,25 +1,34 @@
 """Host weight store: masters, compute-dtype shadows, stage layouts and gradient write-back.
 
 - **Masters** are the model's own parameters (fp32, or the chosen dtype) on the CPU.
-- **Shadows**: per tensor, a host copy in the upload dtype (the compute dtype for floating-point
-  parameters, e.g. bf16 under bf16-mixed; buffers keep their dtype), pinned on CUDA, from which
-  every upload reads (paper section 3.3: uploads move compute-dtype bytes from pinned memory). A
-  shadow is refreshed from its master when the master changed (its version counter moved: the
-  optimizer step). Where no copy is needed (CPU virtual devices, same dtype) the master itself is
-  the shadow.
-- **Frozen parameters** (``requires_grad=False``, e.g. a LoRA base) hold only their compute-dtype
-  copy (DESIGN.md section 5): at construction each frozen floating-point parameter that would need
-  a shadow is converted *in place* (``param.data = param.data.to(compute_dtype)``, pinned on CUDA),
-  so it is its own shadow: no fp32 copy, no gradient buffer, no gradient download, uploaded from
-  the same host bytes every step. :meth:`WeightStore.restore_frozen` (the engine's ``close``)
-  gives them back their original dtype; their values stay rounded to the compute dtype, which
-  changes no result: every computation already used the compute-dtype copy. Freezing is read at
-  construction: unfreezing a converted parameter while the store lives is an error.
+- **Upload dtype** (DESIGN.md section 5). With a compute dtype (the mixed precisions: bf16 under
+  ``bf16-mixed``, fp16 under ``16-mixed``) only the *matmul weights* are uploaded in it: the
+  ``weight`` of every ``nn.Linear`` and convolution module (:func:`autocast_cast_weights`; PEFT's
+  LoRA A/B linears and the frozen base linears they wrap are such modules), the operands
+  ``torch.autocast`` casts to the compute dtype anyway, so rounding them on the host changes no
+  result and halves their bytes (the paper's uploads). Everything else keeps the master's dtype:
+  norm weights, biases, embeddings (a weight tied between the embedding and the LM head too: the
+  embedding reads it in fp32, autocast casts it for the head's matmul) and buffers. The devices
+  then compute exactly what Lightning's autocast computes for the same module: norms, embedding
+  outputs and the residual stream, which crosses the stage boundaries, stay fp32.
+- **Shadows**: per tensor, a host copy in the upload dtype, pinned on CUDA, from which every upload
+  reads (paper section 3.3: uploads move compute-dtype bytes from pinned memory). A shadow is
+  refreshed from its master when the master changed (its version counter moved: the optimizer
+  step). Where no copy is needed (CPU virtual devices, same dtype) the master itself is the shadow.
+- **Frozen parameters** (``requires_grad=False``, e.g. a LoRA base) hold only their upload copy
+  (DESIGN.md section 5): at construction each frozen floating-point parameter that would need a
+  shadow is converted *in place* (``param.data = param.data.to(upload_dtype)``, pinned on CUDA), so
+  it is its own shadow: no fp32 copy of a frozen matmul weight, no gradient buffer, no gradient
+  download, uploaded from the same host bytes every step. Frozen norms and embeddings stay fp32
+  (only pinned in place on CUDA). :meth:`WeightStore.restore_frozen` (the engine's ``close``)
+  gives them back their original dtype; the matmul weights' values stay rounded to the compute
+  dtype, which changes no result: every computation already used the compute-dtype copy. Freezing
+  is read at construction: unfreezing a converted parameter while the store lives is an error.
 - **Stage layout**: a stage's unique tensors packed into one flat byte buffer (16-byte aligned),
   uploaded in chunks of at most ``chunk_bytes`` that may cut a tensor; on the device every tensor
   is a view into the stage's buffer.
 - **Gradients**: a backward stage's gradients are summed over its microbatches on the device, in fp32
-  where the compute dtype is narrower (:mod:`~lightning_roundpipe.runtime.grads`), come back in one
+  where the upload dtype is narrower (:mod:`~lightning_roundpipe.runtime.grads`), come back in one
   flat host buffer, and the host adds them
   into the masters' ``.grad`` (or the fused path's CPU buffers) in a fixed order, so the result does
   not depend on thread timing. Tied parameters (SmolLM2's embedding and LM head) are one master:
@@ -39,6 +48,33 @@ from lightning_roundpipe.runtime.grads import GradAccumulator, download_bytes, n
 
 _ALIGN = 16
 
+#: modules whose ``weight`` is an operand of a matrix multiply or convolution that ``torch.autocast``
+#: casts to its lower-precision dtype (``F.linear``, ``F.conv*d``, ``F.conv_transpose*d``)
+AUTOCAST_WEIGHT_MODULES: tuple[type[nn.Module], ...] = (nn.Linear, nn.modules.conv._ConvNd)
+
+
+def autocast_cast_weights(layers: Sequence[nn.Module]) -> set[int]:
+    """``id`` of the parameters of ``layers`` that autocast casts to its dtype wherever they are used.
+
+    A parameter qualifies when every module that registers it is an :data:`AUTOCAST_WEIGHT_MODULES`
+    instance holding it as its ``weight``: the weights of ``nn.Linear`` and convolution modules,
+    PEFT LoRA's A/B linears and the base linears they wrap. Biases, norm weights, embeddings and
+    other parameters do not; neither does a weight tied between an ``nn.Embedding`` and an LM head
+    ``nn.Linear`` (the embedding reads it in fp32). A parameter a module reads without registering
+    it (a functional call on another module's weight) is not seen: such a weight must not be an
+    ``nn.Linear`` weight that is also read outside autocast's matmul.
+    """
+    matmul: set[int] = set()
+    other: set[int] = set()
+    for layer in layers:
+        for module in layer.modules():
+            for name, param in module._parameters.items():
+                if param is None:
+                    continue
+                is_weight = name == "weight" and isinstance(module, AUTOCAST_WEIGHT_MODULES)
+                (matmul if is_weight else other).add(id(param))
+    return matmul - other
+
 
 def _padded_bytes(entry: "_Tensor") -> int:
     """Bytes a tensor takes in a stage's flat buffer (its upload dtype, padded to ``_ALIGN``)."""
@@ -49,7 +85,7 @@ def _padded_bytes(entry: "_Tensor") -> int:
 class _Tensor:
     master: torch.Tensor
     is_param: bool
-    dtype: torch.dtype
+    dtype: torch.dtype  # upload dtype
     shadow: torch.Tensor | None = None
     version: tuple[int, int] | None = None
     original_dtype: torch.dtype | None = None  # frozen parameter converted in place: its dtype before
@@ -109,8 +145,11 @@ class WeightStore:
 
     Args:
         layers: the layer modules (their parameters are the masters).
-        compute_dtype: dtype of uploaded floating-point *parameters* (``None``: the master's dtype);
-            buffers keep their dtype (e.g. rotary ``inv_freq`` stays fp32).
+        compute_dtype: dtype of ``torch.autocast`` on the devices (``torch.bfloat16`` /
+            ``torch.float16`` under the mixed precisions; ``None``: no autocast). The matmul
+            weights (:func:`autocast_cast_weights`) are uploaded in it; every other parameter and
+            buffer keeps its master's dtype (norms, biases, embeddings, rotary ``inv_freq``: fp32).
+            ``None`` uploads every tensor in its master's dtype (the true precisions).
         pin_memory: keep shadows in pinned host memory (CUDA), so uploads are asynchronous DMA.
 
     Frozen floating-point parameters that would need a shadow (another dtype, pinning, a
@@ -130,6 +169,7 @@ class WeightStore:
         self.tensors: dict[int, _Tensor] = {}
         # (name, master key) per layer, captured once in the main thread: workers never read the modules' attributes
         self.entries: list[list[tuple[str, int]]] = []
+        in_compute_dtype = autocast_cast_weights(self.layers) if compute_dtype is not None else set()
         for layer in self.layers:
             entries = []
             named = [(n, p, True) for n, p in layer.named_parameters(remove_duplicate=False)]
@@ -137,7 +177,8 @@ class WeightStore:
             for name, tensor, is_param in named:
                 key = id(tensor)
                 if key not in self.tensors:
-                    dtype = compute_dtype if (is_param and compute_dtype and tensor.is_floating_point()) else tensor.dtype
+                    half = is_param and key in in_compute_dtype and tensor.is_floating_point()
+                    dtype = compute_dtype if half else tensor.dtype
                     self.tensors[key] = entry = _Tensor(tensor, is_param, dtype)
                     self._hold_frozen_in_compute_dtype(entry)
                 entries.append((name, key))
@@ -146,7 +187,8 @@ class WeightStore:
 
     # ------------------------------------------------------------------ frozen parameters
     def _hold_frozen_in_compute_dtype(self, entry: _Tensor) -> None:
-        """A frozen floating-point parameter that would need a shadow becomes its own shadow."""
+        """A frozen floating-point parameter that would need a shadow becomes its own shadow (in its
+        upload dtype: the compute dtype for a matmul weight under mixed precision, else its own)."""
         master = entry.master
         if not (entry.is_param and not master.requires_grad and master.is_floating_point() and self._needs_copy(entry)):
             return
@@ -158,8 +200,9 @@ class WeightStore:
     def restore_frozen(self) -> None:
         """Give the frozen parameters converted at construction their original dtype back (unpinned).
 
-        Their values stay rounded to the compute dtype (e.g. bf16): the pipeline computed with
-        that copy all along, so no training result changes.
+        The values of the matmul weights stay rounded to the compute dtype (e.g. bf16): the pipeline
+        computed with that copy all along, so no training result changes. The others (norms,
+        embeddings: converted only to pin them on CUDA) are unchanged.
         """
         for entry in self.tensors.values():
             if entry.original_dtype is None:
@@ -173,7 +216,8 @@ class WeightStore:
 
     @property
     def frozen_in_compute_dtype(self) -> list[torch.Tensor]:
-        """The frozen parameters held in the compute dtype (converted at construction)."""
+        """The frozen parameters held only as their upload copy (converted at construction): the
+        frozen matmul weights under mixed precision, and on CUDA every frozen parameter (pinned)."""
         return [e.master for e in self.tensors.values() if e.original_dtype is not None]
 
     # ------------------------------------------------------------------ shadows
@@ -204,7 +248,7 @@ class WeightStore:
             if entry.original_dtype is not None and entry.master.requires_grad:
                 raise ValueError(
                     f"A parameter of shape {tuple(entry.master.shape)} was frozen when RoundPipe started and is held in"
-                    f" {entry.dtype} (its compute-dtype copy only); it now has `requires_grad=True`, but it has no"
+                    f" {entry.dtype} (its upload copy only); it now has `requires_grad=True`, but it has no"
                     f" {entry.original_dtype} master to train. HINT: set `requires_grad` before `trainer.fit` (e.g. in"
                     " the LightningModule's `__init__` or `configure_model`), not during it."
                 )
@@ -255,7 +299,8 @@ class WeightStore:
         return got
 
     def stage_bytes(self, layers: range) -> int:
-        """Bytes one upload of the stage moves (compute-dtype parameters, buffers, padding)."""
+        """Bytes one upload of the stage moves (matmul weights in the compute dtype, the other
+        parameters and buffers in their own, padding)."""
         return self.layout(layers).total_bytes
 
     def shared_weights(self) -> list[SharedWeight]:
