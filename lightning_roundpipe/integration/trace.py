@@ -97,7 +97,9 @@ def throughput_metrics(engine: Any, batch: Any, step_s: float | None, programs: 
         layers = cache[id(engine)] = layer_flops(engine.seq.layers)
     model = step_model_flops(layers, tokens, seq_len)
     hardware = model + recompute_flops(layers, _recomputed(programs, tokens), seq_len)
-    capacity = step_s * len(engine.devices) * peak
+    # physical GPUs: logical devices sharing one GPU (parallel_devices=[cuda:0] * 4) share its peak
+    gpus = len({d for d in engine.devices}) if engine.devices[0].type == "cuda" else len(engine.devices)
+    capacity = step_s * gpus * peak
     out[f"{prefix}/mfu(%)"] = 100.0 * model / capacity
     out[f"{prefix}/hfu(%)"] = 100.0 * hardware / capacity
     return out

@@ -216,7 +216,13 @@ class RoundPipeEngine:
     def pop_step_memory_peaks(self) -> list[int] | None:
         """Per device, the most bytes allocated at once since the last call (the per-step metric
         ``roundpipe/device{i}/peak_memory(GiB)``; CUDA and budgeted CPU virtual devices), else ``None``."""
-        peaks = [b.pop_step_memory_peak() for b in self.backends]
+        by_gpu: dict = {}  # logical devices sharing one GPU share its allocator's peak: read it once
+        peaks = []
+        for backend in self.backends:
+            key = backend.device if backend.is_cuda else id(backend)
+            if key not in by_gpu:
+                by_gpu[key] = backend.pop_step_memory_peak()
+            peaks.append(by_gpu[key])
         return None if any(p is None for p in peaks) else peaks
 
     # ------------------------------------------------------------------ install / close

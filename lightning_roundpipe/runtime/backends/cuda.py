@@ -60,6 +60,12 @@ class CudaBackend(Backend):
 
     def _thread_setup(self, stream: str) -> None:
         torch.cuda.set_device(self.device)
+        sanitizer = getattr(getattr(torch.cuda, "_sanitizer", None), "cuda_sanitizer", None)
+        if sanitizer is not None and sanitizer.enabled:
+            # TORCH_CUDA_SANITIZER=1 enters its dispatch mode in the thread that imported torch only;
+            # this stream's issuing thread launches kernels too, so it enters the same mode (one
+            # event handler sees every thread's accesses)
+            sanitizer.dispatch.__enter__()
 
     # ------------------------------------------------------------------ ordering
     def launch(self, stream: str, work, access=None, label: str = "", op: Any = None) -> None:
