@@ -1,54 +1,57 @@
 #!/usr/bin/env bash
-# The GPU check (DESIGN.md section 10): one run on a bare CUDA machine with this repository and a
-# package index, under 9 minutes on one large GPU (one H200: about 6 minutes), never stopping at a
-# failing step.
+# The GPU check (DESIGN.md section 10; docs/usage.md, "The GPU check"): one run on a bare CUDA machine
+# that has this repository, a CUDA build of torch and a package index; under 9 minutes on one large
+# GPU, never stopping at a failing step.
 #
 #   GPU_CHECK_OUT=/some/folder bash scripts/gpu_check.sh      # default folder: gpu_check_out/
 #
-# Steps (each under `timeout`, each one's exit code printed; a global deadline trims the timeouts):
-#   preflight   torch importable and torch.cuda.is_available(), else one line and exit 3 at once,
-#               before anything is installed (the python on PATH, or $PYTHON)
-#   install     pip install -e ".[test]" with torch pinned to the installed CUDA build (never
-#               installs torch; falls back to --no-deps plus every other requirement)
-#   pytest_logical  the `gpu`-marked tests on 4 logical workers of cuda:0 (round-robin on one GPU,
-#               cross-stream waits between workers)
-#   pytest_all  the same tests on every GPU
-#   parity      bf16-mixed RoundPipe vs plain single-GPU Lightning, random-weight Qwen3-1.7B shape,
-#               seq 2048: losses and the parameter update within stated tolerances
-#   throughput  tokens/s of both, MFU, measured vs predicted step, peak memory per device, the
-#               fraction of weight-upload time hidden under compute (benchmarks/gpu_check.py)
-#   sanitizer   a tiny model, 2 steps on 2 logical workers of cuda:0 under TORCH_CUDA_SANITIZER=1
-# Writes $GPU_CHECK_OUT/log.txt (everything printed), summary.json (each step's exit code, seconds
-# and timeout, the Python steps' results) and the steps' own files; exits 0 when every step passed,
-# 1 when one failed, 3 when CUDA is missing.
+# Steps (each under `timeout`; a global budget trims the timeouts, keeping time for the later steps):
+#   preflight       torch importable and torch.cuda.is_available(), else ONE line and exit 3 at once,
+#                   before anything is installed or written (the python on PATH, or $PYTHON)
+#   install         pip install -e ".[test]" with torch pinned to the installed build (never replaces
+#                   torch; falls back to --no-deps plus every other requirement)
+#   pytest_logical  the `gpu`-marked tests of tests/test_gpu.py on 4 logical workers of cuda:0
+#                   (round-robin dispatch and cross-stream event waits on one GPU)
+#   pytest_all      every `gpu`-marked test of tests/ on every GPU
+#   parity          bf16-mixed RoundPipe vs plain single-GPU Lightning, random-weight Qwen3-1.7B
+#                   shape, seq 2048: per-step losses and the whole parameter update within tolerances
+#   throughput      tokens/s of both (synchronized), MFU, measured vs predicted step, peak memory
+#                   per GPU, the fraction of weight-upload time hidden under compute (CUDA events)
+#   sanitizer       a tiny model, 2 steps on 2 logical workers of cuda:0 under TORCH_CUDA_SANITIZER=1
+# Prints each step's exit code and a summary; writes $GPU_CHECK_OUT/log.txt (everything printed),
+# summary.json (rewritten after every step: each step's exit code, status, seconds, timeout, test
+# counts and the Python steps' results) and the steps' own JSON/JUnit files. Exit 0 when every step
+# passed, 1 when one failed (or timed out, or found no time left), 3 when CUDA or torch is missing.
 #
-# Settings (environment): GPU_CHECK_OUT (output folder), GPU_CHECK_BUDGET_S (total seconds, default
-# 530), GPU_CHECK_SKIP_INSTALL=1 (a rerun), GPU_CHECK_STEPS (comma list of the steps after install,
-# default all), GPU_CHECK_ACCELERATOR=cpu (the Python steps on 2 CPU virtual devices with a tiny
-# model, no CUDA needed: what tests/test_gpu_check_script.py runs), GPU_CHECK_ARGS (more arguments
-# for the benchmarks/gpu_check.py steps, e.g. "--batch-size 2"), PYTHON (the interpreter).
-set -u
-cd "$(dirname "$0")/.." || { echo "gpu_check: FAILED: cannot cd to the repository root"; exit 2; }
+# Settings (environment):
+#   GPU_CHECK_OUT          output folder (default gpu_check_out/ in the repository)
+#   GPU_CHECK_BUDGET_S     seconds for everything (default 530)
+#   GPU_CHECK_SKIP_INSTALL=1   no install step (a rerun)
+#   GPU_CHECK_STEPS        comma list of the steps after install (default: all, in the order above)
+#   GPU_CHECK_ARGS         more arguments for the benchmarks/gpu_check.py steps (e.g. "--batch-size 2")
+#   GPU_CHECK_ACCELERATOR=cpu  no CUDA needed: the Python steps on 2 CPU virtual devices with a tiny
+#                          model, the GPU tests only collected (tests/test_gpu_check_script.py runs this)
+#   PYTHON                 the interpreter (default: python on PATH, else python3)
+set -uo pipefail  # no -e: a failing step never stops the script
 
-OUT="${GPU_CHECK_OUT:-gpu_check_out}"
-ACCELERATOR="${GPU_CHECK_ACCELERATOR:-cuda}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-530}"
-STEPS="${GPU_CHECK_STEPS:-pytest_logical,pytest_all,parity,throughput,sanitizer}"
-PY="${PYTHON:-$(command -v python || command -v python3 || true)}"
-export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-START=$(date +%s)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) || { echo "gpu_check: FAILED: cannot find the repository"; exit 2; }
+cd "$ROOT" || exit 2
+OUT=${GPU_CHECK_OUT:-gpu_check_out}
+ACCELERATOR=${GPU_CHECK_ACCELERATOR:-cuda}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-530}
+STEPS=${GPU_CHECK_STEPS:-pytest_logical,pytest_all,parity,throughput,sanitizer}
+PY=${PYTHON:-$(command -v python || command -v python3 || true)}
 
 # ---------------------------------------------------------------- preflight: before anything else
 if [ -z "$PY" ]; then
-  echo "gpu_check: FAILED: no python on PATH (set PYTHON=/path/to/python)"
+  echo "gpu_check: FAILED before installing anything: no python on PATH (set PYTHON=/path/to/python)"
   exit 3
 fi
 if ! command -v timeout >/dev/null 2>&1; then
-  echo "gpu_check: FAILED: the \`timeout\` command (coreutils) is missing"
+  echo "gpu_check: FAILED before installing anything: the \`timeout\` command (coreutils) is missing"
   exit 3
 fi
-PREFLIGHT_ERR=$(mktemp)
-PREFLIGHT=$(ACCELERATOR="$ACCELERATOR" timeout -k 5 90 "$PY" - 2>"$PREFLIGHT_ERR" <<'PY'
+PREFLIGHT=$(ACCELERATOR="$ACCELERATOR" timeout -k 5 90 "$PY" -W ignore - 2>&1 <<'PY'
 import os, sys
 try:
     import torch
@@ -59,7 +62,8 @@ if os.environ["ACCELERATOR"] == "cpu":
     print(f"torch {torch.__version__} on {sys.executable}; CPU virtual devices (GPU_CHECK_ACCELERATOR=cpu)")
     sys.exit(0)
 if not torch.cuda.is_available():
-    print(f"torch.cuda.is_available() is False (torch {torch.__version__}, built for CUDA {torch.version.cuda},"
+    build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    print(f"torch.cuda.is_available() is False (torch {torch.__version__}, {build},"
           f" CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, {sys.executable})")
     sys.exit(1)
 names = ", ".join(f"{i}: {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count()))
@@ -67,51 +71,98 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device
 PY
 )
 PREFLIGHT_RC=$?
+PREFLIGHT=${PREFLIGHT##*$'\n'}  # the last line: what the check printed (after any stray warning)
 if [ "$PREFLIGHT_RC" -ne 0 ]; then
-  REASON=$(printf '%s\n' "$PREFLIGHT" | tail -n 1)
-  [ -n "$REASON" ] || REASON="$PY exited with code $PREFLIGHT_RC: $(tail -n 1 "$PREFLIGHT_ERR")"
-  rm -f "$PREFLIGHT_ERR"
-  echo "gpu_check: FAILED before installing anything: $REASON"
+  echo "gpu_check: FAILED before installing anything: ${PREFLIGHT:-$PY exited with code $PREFLIGHT_RC}"
   exit 3
 fi
-rm -f "$PREFLIGHT_ERR"
 
 mkdir -p "$OUT" || { echo "gpu_check: FAILED: cannot create the output folder $OUT"; exit 2; }
 OUT=$(cd "$OUT" && pwd)
-LOG="$OUT/log.txt"
+LOG=$OUT/log.txt
+TABLE=$OUT/steps.tsv
+: > "$LOG"
+: > "$TABLE"
+export WANDB_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+FAILED=()
+STEP_DESC=
 
-NAMES=(); RCS=(); SECS=(); TIMEOUTS=()
+say() { echo "$*" | tee -a "$LOG"; }
 
-# run_step NAME TIMEOUT_S RESERVE_S CMD...: CMD under `timeout` (at most TIMEOUT_S, and never past the
-# deadline minus RESERVE_S kept for the later steps); its exit code is recorded, never fatal.
+# summary.json from steps.tsv and the steps' files (standard library only); after every step, so a
+# run killed from outside still leaves one
+summarize() {
+  "$PY" - "$OUT" "$BUDGET_S" "$SECONDS" "$ACCELERATOR" "$PREFLIGHT" <<'PY' >/dev/null 2>>"$LOG"
+import json, os, sys, xml.etree.ElementTree as ET
+out, budget, elapsed, accelerator, environment = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+steps, results = [], {}
+for row in open(os.path.join(out, "steps.tsv")):
+    name, rc, seconds, limit, status, result = (row.rstrip("\n").split("\t") + ["-"] * 6)[:6]
+    step = {"name": name, "exit_code": None if rc == "-" else int(rc), "status": status,
+            "seconds": int(seconds), "timeout_s": int(limit)}
+    path = os.path.join(out, result)
+    if result.endswith(".json") and os.path.exists(path):
+        try:
+            results[name] = json.load(open(path))
+        except ValueError as error:
+            results[name] = {"error": f"unreadable {path}: {error}"}
+    elif result.endswith(".xml") and os.path.exists(path):
+        try:
+            root = ET.parse(path).getroot()
+            suite = root if root.tag == "testsuite" else root.find("testsuite")
+            counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+            counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+            counts["failed"] = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+                                if case.find("failure") is not None or case.find("error") is not None]
+            step["tests"] = counts
+        except (ET.ParseError, AttributeError, ValueError) as error:
+            step["tests"] = {"error": f"unreadable {path}: {error}"}
+    steps.append(step)
+failed = [s["name"] for s in steps if s["status"] not in ("ok", "skipped")]
+summary = {"ok": not failed, "failed_steps": failed, "accelerator": accelerator, "environment": environment,
+           "budget_s": budget, "elapsed_s": elapsed, "log": os.path.join(out, "log.txt"), "steps": steps,
+           "results": results}
+with open(os.path.join(out, "summary.json.tmp"), "w") as f:
+    json.dump(summary, f, indent=2, default=str)
+os.replace(os.path.join(out, "summary.json.tmp"), os.path.join(out, "summary.json"))
+PY
+}
+
+record() {  # name rc seconds timeout status result-file: one tab-separated row, "-" for none
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >> "$TABLE"
+  case $5 in ok|skipped) ;; *) FAILED+=("$1") ;; esac
+  summarize
+}
+
+# run_step NAME TIMEOUT_S RESERVE_S RESULT-FILE CMD...: CMD under `timeout`, at most TIMEOUT_S and
+# never past the budget minus RESERVE_S kept for the later steps (seconds of the default 530 s budget,
+# scaled to GPU_CHECK_BUDGET_S); its exit code is recorded, never fatal
 run_step() {
-  local name=$1 limit=$2 reserve=$3
-  shift 3
-  local now left rc t0 t1
-  now=$(date +%s)
-  left=$((START + BUDGET_S - now - reserve))
-  [ "$left" -lt "$limit" ] && limit=$left
-  echo
-  echo "==== step $name (timeout ${limit} s): $*"
-  if [ "$limit" -lt 5 ]; then
-    echo "==== step $name: SKIPPED, no time left in the ${BUDGET_S} s budget"
-    NAMES+=("$name"); RCS+=(124); SECS+=(0); TIMEOUTS+=("$limit")
+  local name=$1 limit=$2 reserve=$(($3 * BUDGET_S / 530)) result=$4
+  shift 4
+  local left=$((BUDGET_S - SECONDS - reserve))
+  ((left < limit)) && limit=$left
+  say ""
+  if ((limit < 10)); then
+    say "=== [$name] not run: no time left in the ${BUDGET_S} s budget"
+    record "$name" - 0 0 "not run (budget spent)" -
+    STEP_DESC=
     return
   fi
-  t0=$(date +%s.%N)
-  timeout -k 15 "$limit" "$@"
-  rc=$?
-  t1=$(date +%s.%N)
-  local secs
-  secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
-  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "==== step $name: TIMED OUT after ${limit} s"
-  echo "==== step $name: exit code $rc (${secs} s)"
-  NAMES+=("$name"); RCS+=("$rc"); SECS+=("$secs"); TIMEOUTS+=("$limit")
+  [ "$result" != - ] && rm -f "$OUT/$result"
+  say "=== [$name] $(date -u +%H:%M:%S) timeout ${limit} s: ${STEP_DESC:-$*}"
+  STEP_DESC=
+  local t0=$SECONDS
+  timeout -k 15 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]} status=ok
+  if ((rc == 124 || rc == 137)); then status="timed out"; elif ((rc != 0)); then status=failed; fi
+  say "=== [$name] exit code $rc ($status) after $((SECONDS - t0)) s"
+  record "$name" "$rc" $((SECONDS - t0)) "$limit" "$status" "$result"
 }
 
 want() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
-# a function: run as `bash -c install_deps` under `timeout` (which runs programs, not functions)
+# run as `bash -c install_deps` under `timeout` (which runs programs, not functions)
 install_deps() {
   local torch_version
   torch_version=$("$PY" -c 'import torch; print(torch.__version__)') || return 1
@@ -120,10 +171,9 @@ install_deps() {
   "$PY" -m pip --version >/dev/null 2>&1 || "$PY" -m ensurepip --upgrade || return 1
   # a lent machine's system python may be marked externally managed (PEP 668); older pips ignore this
   export PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore PIP_NO_INPUT=1
-  if "$PY" -m pip install --disable-pip-version-check --progress-bar off -q -c "$OUT/constraints.txt" -e ".[test]"; then
-    return 0
-  fi
-  echo "pip install -e \".[test]\" failed with torch pinned; installing the package without dependencies and every requirement but torch"
+  local pip=("$PY" -m pip install --disable-pip-version-check --progress-bar off -q)
+  "${pip[@]}" -c "$OUT/constraints.txt" -e ".[test]" && return 0
+  echo "install: pip failed (above) with torch pinned; the package without dependencies, then every requirement but torch"
   "$PY" - > "$OUT/requirements-without-torch.txt" <<'PY' || return 1
 import re
 text = open("pyproject.toml").read()
@@ -140,83 +190,98 @@ for req in reqs:
     if not re.match(r"torch(?![A-Za-z0-9_.-])", req):
         print(req)
 PY
-  "$PY" -m pip install --disable-pip-version-check --progress-bar off -q --no-deps -e . || return 1
-  "$PY" -m pip install --disable-pip-version-check --progress-bar off -q -c "$OUT/constraints.txt" \
-    -r "$OUT/requirements-without-torch.txt"
+  "${pip[@]}" --no-deps -e . || return 1
+  "${pip[@]}" -c "$OUT/constraints.txt" -r "$OUT/requirements-without-torch.txt"
 }
 
-main() {
-  echo "gpu_check: $PREFLIGHT"
-  echo "gpu_check: output folder $OUT, budget ${BUDGET_S} s, steps: $STEPS"
-  command -v git >/dev/null 2>&1 && git log -1 --oneline 2>/dev/null | sed 's/^/gpu_check: commit /'
-  [ "$ACCELERATOR" = cuda ] && command -v nvidia-smi >/dev/null 2>&1 && timeout 20 nvidia-smi
-  local bench=(benchmarks/gpu_check.py) bench_args=()
-  if [ "$ACCELERATOR" = cpu ]; then
-    bench_args=(--accelerator cpu --tiny --devices 2 --device-memory-bytes 1000000000)
-  fi
-  local extra=()
-  read -r -a extra <<< "${GPU_CHECK_ARGS:-}"
-  bench_args+=("${extra[@]}")
-  if [ "${GPU_CHECK_SKIP_INSTALL:-0}" = 1 ]; then
-    echo "gpu_check: GPU_CHECK_SKIP_INSTALL=1: not installing"
-  else
-    export -f install_deps
-    export PY OUT
-    run_step install 150 300 bash -c install_deps
-  fi
-  # the tests read ROUNDPIPE_GPU_TEST_DEVICES (tests/test_gpu.py)
-  want pytest_logical && run_step pytest_logical 100 220 env ROUNDPIPE_GPU_TEST_DEVICES=cuda:0,cuda:0,cuda:0,cuda:0 \
-    "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rfEs --junitxml "$OUT/pytest_logical.xml"
-  want pytest_all && run_step pytest_all 80 180 env ROUNDPIPE_GPU_TEST_DEVICES=all \
-    "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rfEs --junitxml "$OUT/pytest_all.xml"
-  want parity && run_step parity 120 110 "$PY" "${bench[@]}" parity "${bench_args[@]}" --json "$OUT/parity.json"
-  want throughput && run_step throughput 180 45 "$PY" "${bench[@]}" throughput "${bench_args[@]}" --json "$OUT/throughput.json"
-  # on CPU virtual devices the same run without the sanitizer (it checks CUDA streams only)
-  local sanitize=(env TORCH_CUDA_SANITIZER=1) sanitize_args=(--tiny --devices cuda:0,cuda:0)
-  [ "$ACCELERATOR" = cpu ] && sanitize=() && sanitize_args=()
-  want sanitizer && run_step sanitizer 60 0 "${sanitize[@]}" "$PY" "${bench[@]}" sanitizer "${sanitize_args[@]}" \
-    "${bench_args[@]}" --json "$OUT/sanitizer.json"
+# ---------------------------------------------------------------- the machine
+say "gpu_check: $PREFLIGHT"
+say "gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), output folder $OUT, budget ${BUDGET_S} s, steps: $STEPS"
+command -v git >/dev/null 2>&1 && git log -1 --oneline 2>/dev/null | cut -c1-120 | sed 's/^/gpu_check: commit /' | tee -a "$LOG"
+if [ "$ACCELERATOR" = cuda ] && command -v nvidia-smi >/dev/null 2>&1; then
+  timeout 20 nvidia-smi 2>&1 | tee -a "$LOG"
+fi
 
-  local failed=0 i
-  echo
-  echo "==== summary (${BUDGET_S} s budget, $(( $(date +%s) - START )) s used)"
-  for i in "${!NAMES[@]}"; do
-    printf '  %-16s exit %-4s %7s s  %s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}" \
-      "$([ "${RCS[$i]}" -eq 0 ] && echo ok || echo FAILED)"
-    [ "${RCS[$i]}" -eq 0 ] || failed=1
-  done
-  local steps_json="" sep=""
-  for i in "${!NAMES[@]}"; do
-    steps_json+="$sep{\"name\": \"${NAMES[$i]}\", \"rc\": ${RCS[$i]}, \"seconds\": ${SECS[$i]}, \"timeout_s\": ${TIMEOUTS[$i]}}"
-    sep=", "
-  done
-  STEPS_JSON="[$steps_json]" OUT="$OUT" START="$START" PREFLIGHT="$PREFLIGHT" ACCELERATOR="$ACCELERATOR" \
-    BUDGET_S="$BUDGET_S" "$PY" - <<'PY' || { echo "gpu_check: could not write summary.json"; failed=1; }
-import json, os, time
-out = os.environ["OUT"]
-steps = json.loads(os.environ["STEPS_JSON"])
-results = {}
-for name in ("parity", "throughput", "sanitizer"):
-    path = os.path.join(out, f"{name}.json")
-    if os.path.exists(path):
-        try:
-            results[name] = json.load(open(path))
-        except ValueError as e:
-            results[name] = {"error": f"unreadable {path}: {e}"}
-summary = {"ok": all(s["rc"] == 0 for s in steps), "accelerator": os.environ["ACCELERATOR"],
-           "environment": os.environ["PREFLIGHT"], "budget_s": int(os.environ["BUDGET_S"]),
-           "total_s": round(time.time() - int(os.environ["START"]), 1), "steps": steps, "results": results}
-with open(os.path.join(out, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+BENCH=("$PY" benchmarks/gpu_check.py)
+read -r -a EXTRA <<< "${GPU_CHECK_ARGS:-}"
+if [ "$ACCELERATOR" = cpu ]; then
+  # the same steps on 2 CPU virtual devices, a tiny model (a budget: the peak memory metric)
+  COMMON=(--accelerator cpu --tiny "${EXTRA[@]}")
+  PARITY=(--devices 2)
+  THROUGHPUT=(--devices 2 --device-memory-bytes $((256 * 2**20)) --profile-steps 2 --warmup 0 --steps 2)
+  SANITIZER=(env "$PY" benchmarks/gpu_check.py sanitizer --devices 2)  # the CUDA sanitizer needs CUDA
+  LOGICAL=all
+  ALL_TESTS=tests/test_gpu.py  # skipped without CUDA: collecting them is the check
+else
+  GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 1)
+  COMMON=(--accelerator cuda "${EXTRA[@]}")
+  if ((GPUS > 1)); then PARITY=(--devices all); else PARITY=(--devices cuda:0,cuda:0); fi  # round-robin on one GPU too
+  THROUGHPUT=(--devices all)  # every GPU vs plain training on one
+  SANITIZER=(env TORCH_CUDA_SANITIZER=1 "$PY" benchmarks/gpu_check.py sanitizer --tiny --devices cuda:0,cuda:0)
+  LOGICAL=cuda:0,cuda:0,cuda:0,cuda:0
+  ALL_TESTS=tests/
+fi
+
+# ---------------------------------------------------------------- the steps
+if [ "${GPU_CHECK_SKIP_INSTALL:-0}" = 1 ]; then
+  say ""
+  say "=== [install] skipped (GPU_CHECK_SKIP_INSTALL=1)"
+  record install - 0 0 skipped -
+else
+  export -f install_deps
+  export PY OUT
+  STEP_DESC="pip install -e \".[test]\" with torch pinned to the installed build"
+  run_step install 150 300 - bash -c install_deps
+fi
+PYTEST=("$PY" -m pytest -q -m gpu -p no:cacheprovider -rfEs)
+want pytest_logical && run_step pytest_logical 100 220 pytest_logical.xml env ROUNDPIPE_GPU_TEST_DEVICES="$LOGICAL" \
+  "${PYTEST[@]}" tests/test_gpu.py --junitxml="$OUT/pytest_logical.xml"
+want pytest_all && run_step pytest_all 90 180 pytest_all.xml env ROUNDPIPE_GPU_TEST_DEVICES=all \
+  "${PYTEST[@]}" "$ALL_TESTS" --junitxml="$OUT/pytest_all.xml"
+want parity && run_step parity 130 110 parity.json \
+  "${BENCH[@]}" parity "${COMMON[@]}" "${PARITY[@]}" --json "$OUT/parity.json"
+want throughput && run_step throughput 180 45 throughput.json \
+  "${BENCH[@]}" throughput "${COMMON[@]}" "${THROUGHPUT[@]}" --json "$OUT/throughput.json"
+want sanitizer && run_step sanitizer 60 0 sanitizer.json \
+  "${SANITIZER[@]}" "${COMMON[@]}" --json "$OUT/sanitizer.json"
+
+# ---------------------------------------------------------------- summary
+say ""
+say "=== summary: ${SECONDS} s of the ${BUDGET_S} s budget; $OUT/summary.json, $LOG"
+while IFS=$'\t' read -r name rc seconds limit status result; do
+  say "$(printf '  %-16s exit %-4s %-24s %4s s' "$name" "$rc" "$status" "$seconds")"
+done < "$TABLE"
+"$PY" - "$OUT" <<'PY' 2>&1 | tee -a "$LOG"
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        return json.load(open(os.path.join(out, name)))
+    except (OSError, ValueError):
+        return None
+def fmt(x, spec=".3g"):
+    return "-" if not isinstance(x, (int, float)) else format(x, spec)
+p = load("parity.json")
+if p:
+    print(f"  parity: losses plain {[round(x, 4) for x in p.get('plain_losses', [])]}, roundpipe"
+          f" {[round(x, 4) for x in p.get('roundpipe_losses', [])]}; update rel. error {fmt(p.get('update_rel_error'))}"
+          f" (tol {p.get('update_tol')}); ok {p.get('ok')}")
+t = load("throughput.json")
+if t and "roundpipe" in t:
+    r, b = t["roundpipe"], t.get("plain", {})
+    print(f"  throughput: plain {fmt(b.get('tokens_per_s'), '.0f')} tokens/s, roundpipe {fmt(r.get('tokens_per_s'), '.0f')}"
+          f" tokens/s (x{fmt(t.get('ratio_roundpipe_over_plain'))}); MFU plain {fmt((b.get('mfu') or {}).get('datasheet'))},"
+          f" roundpipe {fmt((r.get('mfu') or {}).get('datasheet'))}; step {fmt(r.get('median_step_s'))} s measured,"
+          f" {fmt(r.get('predicted_step_s'))} s predicted; upload hidden {fmt(r.get('hidden_upload_fraction'))};"
+          f" peak GiB per GPU {r.get('peak_memory_gib_per_gpu')}; ok {t.get('ok')} {t.get('problems') or ''}")
+s = load("sanitizer.json")
+if s:
+    print(f"  sanitizer: {s.get('sanitizer')}; ok {s.get('ok')} {s.get('problems') or ''}")
 PY
-  echo "gpu_check: wrote $OUT/summary.json and $OUT/log.txt"
-  if [ "$failed" -ne 0 ]; then
-    echo "gpu_check: FAILED (a step above has a non-zero exit code)"
-    return 1
-  fi
-  echo "gpu_check: all steps passed"
-  return 0
-}
-
-main 2>&1 | tee "$LOG"
-exit "${PIPESTATUS[0]}"
+summarize
+if ((${#FAILED[@]})); then
+  say "gpu_check: FAILED steps: ${FAILED[*]}"
+  exit 1
+fi
+say "gpu_check: all steps passed"
+exit 0
