@@ -125,7 +125,10 @@ class LM(L.LightningModule):
 
     def configure_optimizers(self):
         if self.optimizer_name == "adamw":  # fused: one kernel over all parameters, on the GPU or the host
-            return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
+            try:
+                return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
+            except RuntimeError:  # a torch without the fused kernel for these parameters' device
+                return torch.optim.AdamW(self.parameters(), lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
