@@ -496,9 +496,11 @@ def _sanitizer() -> Any | None:
 
 
 def sanitize_runtime_threads(csan: Any) -> list[str]:
-    """Enter the sanitizer's dispatch mode (thread-local: torch entered it in the main thread only)
-    in every CUDA stream thread the runtime starts from now on; returns the list the threads' names
-    are appended to."""
+    """The runtime's CUDA stream threads enter the sanitizer's dispatch mode themselves
+    (``CudaBackend._thread_setup``; torch enters it in the main thread only); this records the names of
+    the threads started from now on in which the mode is active (the check that every one is covered)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
     from lightning_roundpipe.runtime.backends.cuda import CudaBackend
 
     entered: list[str] = []
@@ -506,8 +508,8 @@ def sanitize_runtime_threads(csan: Any) -> list[str]:
 
     def setup(self, stream: str) -> None:
         original(self, stream)
-        csan.cuda_sanitizer.dispatch.__enter__()  # left with the thread: it ends with the engine
-        entered.append(threading.current_thread().name)
+        if any(mode is csan.cuda_sanitizer.dispatch for mode in _get_current_dispatch_mode_stack()):
+            entered.append(threading.current_thread().name)
 
     CudaBackend._thread_setup = setup
     return entered

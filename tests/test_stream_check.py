@@ -245,10 +245,15 @@ def test_the_automatic_choice_takes_the_smallest_measured_stage_budget():
 
     from lightning_roundpipe.runtime.autopartition import stage_budget
 
-    def backend(measured):
-        return SimpleNamespace(measured_stage_budget=lambda: measured)
+    def backend(measured, device="cuda:0"):
+        return SimpleNamespace(measured_stage_budget=lambda: measured, device=device)
 
     assert stage_budget(SimpleNamespace(backends=[backend(None)] * 2, stage_memory_bytes=100)) == 100
-    assert stage_budget(SimpleNamespace(backends=[backend(70), backend(40)], stage_memory_bytes=100)) == 40
-    assert stage_budget(SimpleNamespace(backends=[backend(700), backend(400)], stage_memory_bytes=100)) == 100
-    assert stage_budget(SimpleNamespace(backends=[backend(70), backend(40)], stage_memory_bytes=None)) == 40
+    two_gpus = [backend(70, "cuda:0"), backend(40, "cuda:1")]
+    assert stage_budget(SimpleNamespace(backends=two_gpus, stage_memory_bytes=100)) == 40
+    roomy = [backend(700, "cuda:0"), backend(400, "cuda:1")]
+    assert stage_budget(SimpleNamespace(backends=roomy, stage_memory_bytes=100)) == 100
+    assert stage_budget(SimpleNamespace(backends=[backend(70, "cuda:0"), backend(40, "cuda:1")],
+                                        stage_memory_bytes=None)) == 40
+    # two logical devices on one GPU share what that GPU measured
+    assert stage_budget(SimpleNamespace(backends=[backend(80), backend(80)], stage_memory_bytes=None)) == 40

@@ -114,7 +114,11 @@ def stage_budget(engine: Any) -> int | None:
     // 2, or half a GPU's memory), lowered on GPUs to what the profiled steps measured
     (:meth:`~lightning_roundpipe.runtime.backends.cuda.CudaBackend.measured_stage_budget`, the smallest
     over the devices)."""
+    sharing: dict = {}  # logical devices on one GPU split its memory
+    for backend in engine.backends:
+        sharing[backend.device] = sharing.get(backend.device, 0) + 1
     measured = [backend.measured_stage_budget() for backend in engine.backends]
+    measured = [None if m is None else m // sharing[b.device] for m, b in zip(measured, engine.backends)]
     if not measured or any(m is None for m in measured):
         return engine.stage_memory_bytes
     if engine.stage_memory_bytes is None:
