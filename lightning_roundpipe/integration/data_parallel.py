@@ -277,7 +277,12 @@ def node_metrics(strategy: Any, metrics: dict[str, float]) -> dict[str, float]:
     local = dict(metrics)
     local.update(sync.metrics())
     gathered: list[dict[str, float]] = [{} for _ in range(strategy.world_size)]
-    dist.all_gather_object(gathered, local)
+    try:
+        dist.all_gather_object(gathered, local)
+    except Exception as error:  # another rank failed or was killed: the same clear error as the gradient all-reduce
+        from lightning_roundpipe.runtime.allreduce import _fail
+
+        raise _fail("the per-node metrics gather", error) from error
     if strategy.global_rank != 0:
         return {}
     out: dict[str, float] = {}
