@@ -20,7 +20,7 @@ from lightning_roundpipe.runtime.backends import StreamChecker, StreamCheckError
 from lightning_roundpipe.runtime.backends.checker import Access
 from lightning_roundpipe.schedule import PlanValidationError
 from lightning_roundpipe.schedule.program import Op, OpKind, StreamProgram
-from _helpers import CausalLMModule, TokenData, fit_params, max_diff, tiny_hf
+from _helpers import CausalLMModule, TokenData, fit_params, max_diff, params, tiny_hf
 
 
 # ---------------------------------------------------------------------- the checker alone
@@ -257,3 +257,54 @@ def test_the_automatic_choice_takes_the_smallest_measured_stage_budget():
                                         stage_memory_bytes=None)) == 40
     # two logical devices on one GPU share what that GPU measured
     assert stage_budget(SimpleNamespace(backends=[backend(80), backend(80)], stage_memory_bytes=None)) == 40
+
+
+def test_shadows_are_refreshed_off_the_main_thread_in_upload_order(monkeypatch):
+    """bf16-mixed: every optimizer step makes the trainable shadows stale; the next program copies
+    them on the refresh thread (never the main thread), in the order the program first uploads them,
+    and the run still matches the default strategy (its own parity oracle)."""
+    from lightning_roundpipe.runtime.executor import Executor
+    from lightning_roundpipe.runtime.store import WeightStore
+
+    events: list = []  # ("run", executor, program) then ("copy", thread name, key) for each shadow copied
+    real_copy, real_run = WeightStore.refresh_entry, Executor.run
+
+    def copy_spy(self, key):
+        events.append(("copy", threading.current_thread().name, key))
+        return real_copy(self, key)
+
+    def run_spy(self, program, state):
+        events.append(("run", self, program))
+        return real_run(self, program, state)
+
+    monkeypatch.setattr(WeightStore, "refresh_entry", copy_spy)
+    monkeypatch.setattr(Executor, "run", run_spy)
+    ref = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), max_steps=3, precision="bf16-mixed")
+    got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), devices=2, max_steps=3,
+                     precision="bf16-mixed",
+                     strategy=lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, partition="default"))
+    copies = [e for e in events if e[0] == "copy"]
+    assert copies and {name for _, name, _ in copies} == {"roundpipe-host-refresh"}
+    checked = 0
+    for i, event in enumerate(events):
+        if event[0] != "run":
+            continue
+        _, executor, program = event
+        keys = []
+        for later in events[i + 1:]:
+            if later[0] == "run":
+                break
+            keys.append(later[2])
+        # oracle: position of each tensor's first upload in an in-order walk of the program
+        first_use: dict[int, int] = {}
+        for position, op in enumerate(program.topological_order()):
+            if op.kind is OpKind.LOAD and op.chunk_index == 0:
+                for key in executor.store.layout(program.plan.stages[op.stage_index].layers).tensors:
+                    first_use.setdefault(key, position)
+        positions = [first_use.get(key, 10**9) for key in keys]
+        assert positions == sorted(positions)
+        checked += bool(keys)
+    assert checked >= 2  # the steps after the first optimizer steps refreshed their shadows
+    # bf16 (unit roundoff 2**-8) rounding of the uploaded weights, relative to how far the weights moved
+    moved = max_diff(ref, params(CausalLMModule(tiny_hf("llama"))))
+    assert max_diff(ref, got) <= 3 * 2**-8 * moved

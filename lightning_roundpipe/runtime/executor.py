@@ -29,6 +29,7 @@ thread with the original exception object (its type, attributes and traceback ke
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import weakref
 from typing import Any, Callable
@@ -72,6 +73,7 @@ class Executor:
         self.profiler = None  # a runtime.profiler.LayerProfiler while profiling
         self.replicas = [[LayerReplica(layer) for layer in seq.layers] for _ in backends]
         self.host = StreamThread("roundpipe-host-grads")
+        self.refresher = StreamThread("roundpipe-host-refresh")
         self.error_notes = ErrorNotes(seq)
         self.peak_grad_bytes = 0  # most bytes of gradients (.grad and host buffers) at once since the last pop
         self.grads_final_hook: Callable[[range, dict | None], None] | None = None
@@ -102,6 +104,7 @@ class Executor:
 
     def close(self) -> None:
         self.host.close()
+        self.refresher.close()
         for backend in self.backends:
             backend.close()
 
@@ -117,7 +120,7 @@ class Executor:
         for _, _, _, op in program.ops():
             if op.kind not in self._dispatch:
                 raise NotImplementedError(f"The runtime cannot execute `{op}` ({op.kind.value} ops are simulator-only).")
-        self.store.refresh()
+        stale = self.store.stale_entries()  # raises here, in the main thread, for a parameter unfrozen too late
         self._reserve_pools(program)
         checker = self.backends[0].checker if self.backends else None
         if checker is not None:
@@ -126,9 +129,12 @@ class Executor:
         self._current = weakref.ref(run)
         for backend in self.backends:
             backend.begin()
+        refresh = self._start_refresh(program, stale, run) if stale else None  # before any LOAD is issued
         jobs = [backend.threads[stream].submit(lambda b=backend, s=stream: self._stream_job(b, s, run))
                 for backend in self.backends for stream in STREAMS if program.streams[backend.device_index][stream]]
         jobs.append(self.host.submit(lambda: self._commit_grads(run)))
+        if refresh is not None:
+            jobs.append(refresh)
         try:
             self._wait_jobs(jobs, run)
             for backend in self.backends:  # the devices finish what the host issued (failed ops are skipped)
@@ -192,6 +198,37 @@ class Executor:
             if mine:
                 backend.pool.reserve(max(mine) + 1, largest)
 
+    def _start_refresh(self, program: StreamProgram, stale: list[int], run: ProgramRun) -> threading.Event:
+        """Copy the stale shadows from their masters on the refresh thread, tensor by tensor in the
+        order the program first uploads them (the rest last), each with an event the uploads of its
+        stages wait for (DESIGN.md section 4: the refresh after an optimizer step runs off the main
+        thread). Returns the job's done event."""
+        order: list[int] = []
+        wanted, seen = set(stale), set()
+        for op in program.topological_order():
+            if op.kind is OpKind.LOAD and op.chunk_index == 0:
+                for key in self.store.layout(program.plan.stages[op.stage_index].layers).tensors:
+                    if key in wanted and key not in seen:
+                        seen.add(key)
+                        order.append(key)
+        order += [key for key in stale if key not in seen]
+        run.refreshed = {key: threading.Event() for key in order}
+
+        def refresh() -> None:
+            try:
+                for key in order:
+                    if run.abort.is_set():
+                        return
+                    self.store.refresh_entry(key)
+                    run.refreshed[key].set()
+            except BaseException as error:
+                run.fail(error, "RoundPipe: host weight refresh (master -> upload copy)")
+            finally:
+                for event in run.refreshed.values():
+                    event.set()
+
+        return self.refresher.submit(refresh)
+
     def _stream_job(self, backend: Backend, stream: str, run: ProgramRun) -> None:
         """The issuing thread of one (device, stream): for each op, wait until its producers are
         issued, make the stream wait for their events, enqueue the op, record its event. It never
@@ -209,6 +246,12 @@ class Executor:
                         event = run.events.get(dep)
                         if event is not None:
                             backend.wait_event(stream, event)
+                    if op.kind is OpKind.LOAD and op.chunk_index == 0 and run.refreshed:
+                        # the host refreshes the shadows off the main thread, in upload order: this
+                        # upload waits for its own stage's tensors only
+                        for key in self.store.layout(run.plan.stages[op.stage_index].layers).tensors:
+                            if key in run.refreshed:
+                                run.wait(run.refreshed[key])
                     access = op_access(run.program, op, backend.device_index, num_layers, keep) \
                         if backend.checker is not None else None
                     start = backend.timer_start(stream)

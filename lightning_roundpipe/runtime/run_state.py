@@ -79,6 +79,7 @@ class ProgramRun:
         self.error_context = ""
         self._lock = threading.Lock()
         self.spans: list[tuple[int, Op, Callable[[], tuple[float, float]]]] = []
+        self.refreshed: dict[int, threading.Event] = {}  # tensor key -> its shadow is fresh (refresh thread)
         self.write_backs: list = []  # (master buffer, its downloaded host copy), applied after the program
         self.profile_marks: list = []  # (backend, kind, {layer: (start, end)}, whole backward marks or None)
         self.nbytes: dict[Op, int] = {}

@@ -241,10 +241,19 @@ class WeightStore:
         Raises:
             ValueError: a frozen parameter held in the compute dtype was unfrozen.
         """
+        return sum(self.refresh_entry(key) for key in self.stale_entries(force))
+
+    def stale_entries(self, force: bool = False) -> list[int]:
+        """The tensor keys whose shadow must be copied from its master now (:meth:`refresh_entry`);
+        entries that need no copy (the master serves as its own shadow) are set up here.
+
+        Raises:
+            ValueError: a frozen parameter held in the compute dtype was unfrozen.
+        """
         if self.snapshot and not force:
-            return 0
-        copied = 0
-        for entry in self.tensors.values():
+            return []
+        stale = []
+        for key, entry in self.tensors.items():
             if entry.original_dtype is not None and entry.master.requires_grad:
                 raise ValueError(
                     f"A parameter of shape {tuple(entry.master.shape)} was frozen when RoundPipe started and is held in"
@@ -256,15 +265,22 @@ class WeightStore:
             if not self._needs_copy(entry):
                 entry.shadow, entry.version = master, None
                 continue
-            version = (master.data_ptr(), master._version)
-            if entry.shadow is not None and entry.version == version:
+            if entry.shadow is not None and entry.version == (master.data_ptr(), master._version):
                 continue
-            if entry.shadow is None or entry.version is None or entry.shadow.shape != master.shape:
-                entry.shadow = torch.empty(master.shape, dtype=entry.dtype, pin_memory=self.pin_memory)
-            entry.shadow.copy_(master)
-            entry.version = version
-            copied += entry.shadow.numel() * entry.shadow.element_size()
-        return copied
+            stale.append(key)
+        return stale
+
+    def refresh_entry(self, key: int) -> int:
+        """Copy one master into its shadow (in the compute dtype, pinned on CUDA); returns the bytes
+        copied. Called by :meth:`refresh`, or per tensor in upload order by the executor's refresh
+        thread while the devices already run (DESIGN.md section 4)."""
+        entry = self.tensors[key]
+        master = entry.master.detach()
+        if entry.shadow is None or entry.version is None or entry.shadow.shape != master.shape:
+            entry.shadow = torch.empty(master.shape, dtype=entry.dtype, pin_memory=self.pin_memory)
+        entry.shadow.copy_(master)
+        entry.version = (master.data_ptr(), master._version)
+        return entry.shadow.numel() * entry.shadow.element_size()
 
     def host_bytes(self, key: int) -> torch.Tensor:
         """The shadow of tensor ``key`` as a flat ``uint8`` view."""
