@@ -32,6 +32,7 @@
 #   GPU_CHECK_ACCELERATOR=cpu  no CUDA needed: the Python steps on 2 CPU virtual devices with a tiny
 #                          model, the GPU tests only collected (tests/test_gpu_check_script.py runs this)
 #   PYTHON                 the interpreter (default: python on PATH, else python3)
+if [ -z "${BASH_VERSION:-}" ]; then exec bash "$0" "$@"; fi  # run as `sh scripts/gpu_check.sh` too
 set -uo pipefail  # no -e: a failing step never stops the script
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) || { echo "gpu_check: FAILED: cannot find the repository"; exit 2; }

@@ -308,3 +308,27 @@ def test_shadows_are_refreshed_off_the_main_thread_in_upload_order(monkeypatch):
     # bf16 (unit roundoff 2**-8) rounding of the uploaded weights, relative to how far the weights moved
     moved = max_diff(ref, params(CausalLMModule(tiny_hf("llama"))))
     assert max_diff(ref, got) <= 3 * 2**-8 * moved
+
+
+def test_a_pool_that_does_not_fit_names_the_largest_stage_and_its_two_slots():
+    from lightning_roundpipe.runtime.backends import DeviceMemoryError
+
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=2, partition="default", device_memory_bytes=20_000)
+    with pytest.raises(DeviceMemoryError) as info:
+        fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), strategy=strategy, devices=2, max_steps=1)
+    message = str(info.value)
+    assert "the stage weight pool" in message and "2 slot(s)" in message and "for the largest stage, stage " in message
+    assert "HINT: every device holds two slots of the largest stage" in message
+    assert " bytes) > " in message  # a small budget prints bytes, never "0.0 MiB > 0.0 MiB"
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("0", False), ("", False), ("yes", None)])
+def test_the_checking_environment_variable_is_parsed_strictly(monkeypatch, value, expected):
+    from lightning_roundpipe.runtime.backends.checker import CHECK_ENV, checking_default
+
+    monkeypatch.setenv(CHECK_ENV, value)
+    if expected is None:
+        with pytest.raises(ValueError, match="valid values: 1, true, 0, false"):
+            checking_default()
+    else:
+        assert checking_default() is expected

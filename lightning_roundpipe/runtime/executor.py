@@ -192,11 +192,15 @@ class Executor:
         """Before a program is issued: every device's pool has a slot per stage it holds at once,
         each as large as the program's largest stage (allocated only when that grows)."""
         slots = pool_slots(program.plan)
-        largest = max((self.store.layout(program.plan.stages[s].layers).total_bytes for _, s, _ in slots), default=0)
+        sizes = {s: self.store.layout(program.plan.stages[s].layers).total_bytes for _, s, _ in slots}
+        largest = max(sizes, key=sizes.get) if sizes else None
         for backend in self.backends:
             mine = [slot for (d, _, _), slot in slots.items() if d == backend.device_index]
             if mine:
-                backend.pool.reserve(max(mine) + 1, largest)
+                spec = program.plan.stages[largest]
+                backend.pool_label = (f"the stage weight pool, before any LOAD: {max(mine) + 1} slot(s) of {sizes[largest]}"
+                                      f" bytes for the largest stage, stage {largest} ({spec.describe()})")
+                backend.pool.reserve(max(mine) + 1, sizes[largest])
 
     def _start_refresh(self, program: StreamProgram, stale: list[int], run: ProgramRun) -> threading.Event:
         """Copy the stale shadows from their masters on the refresh thread, tensor by tensor in the

@@ -57,6 +57,7 @@ class Backend(abc.ABC):
 
     is_cuda = False
     checker = None
+    pool_label: str | None = None  # what the pool's next allocation is for, in error messages
 
     def __init__(self, device_index: int, device: torch.device) -> None:
         self.device_index = device_index

@@ -34,6 +34,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+def _size(nbytes: int) -> str:
+    """Bytes as MiB, with enough digits that two different sizes never print the same."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 100 * 2**20 else f"{nbytes / 2**20:.3f} MiB ({nbytes} bytes)"
+
+
 class DeviceMemoryError(torch.OutOfMemoryError):
     """A CPU virtual device would exceed its ``device_memory_bytes`` budget (a ``RuntimeError``).
 
@@ -48,7 +53,11 @@ class DeviceMemoryError(torch.OutOfMemoryError):
     def __init__(self, device_index: int, where: str, asked_bytes: int, in_use_bytes: int, budget_bytes: int) -> None:
         self.device_index, self.where = device_index, where
         self.asked_bytes, self.in_use_bytes, self.budget_bytes = asked_bytes, in_use_bytes, budget_bytes
-        hint = ("a stage's weights do not fit: use smaller stages (`forward_stages`/`backward_stages` with fewer"
+        hint = ("every device holds two slots of the largest stage's weights (the stage computing and the one"
+                " prefetched): make that stage smaller (`forward_stages`/`backward_stages` with fewer layers; a"
+                " single layer cannot be split), or raise `device_memory_bytes` above twice that stage's bytes plus"
+                " the activations." if "weight pool" in where else
+                "a stage's weights do not fit: use smaller stages (`forward_stages`/`backward_stages` with fewer"
                 " layers each), or raise `device_memory_bytes`."
                 if "LOAD" in where else
                 "shorten the sequences, cut the batch into more microbatches (`num_microbatches`), use smaller"
@@ -56,8 +65,8 @@ class DeviceMemoryError(torch.OutOfMemoryError):
                 " sequence that fits.")
         super().__init__(
             f"RoundPipe: CPU virtual device {device_index} ran out of its `device_memory_bytes={budget_bytes}` at"
-            f" {where}: {asked_bytes} bytes asked with {in_use_bytes} in use ({(asked_bytes + in_use_bytes) / 2**20:.1f}"
-            f" MiB > {budget_bytes / 2**20:.1f} MiB). HINT: {hint}"
+            f" {where}: {asked_bytes} bytes asked with {in_use_bytes} in use ({_size(asked_bytes + in_use_bytes)}"
+            f" > {_size(budget_bytes)}). HINT: {hint}"
         )
 
     def __reduce__(self):

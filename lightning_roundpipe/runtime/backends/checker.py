@@ -34,8 +34,19 @@ StreamId = tuple[int, str]
 
 
 def checking_default() -> bool:
-    """Whether the checking mode is on by default (``LIGHTNING_ROUNDPIPE_CHECK_STREAMS=1``)."""
-    return os.environ.get(CHECK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether the checking mode is on by default (``LIGHTNING_ROUNDPIPE_CHECK_STREAMS``: ``1``/``true``
+    on, ``0``/``false``/unset off).
+
+    Raises:
+        ValueError: any other value of the variable.
+    """
+    value = os.environ.get(CHECK_ENV, "").strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("", "0", "false"):
+        return False
+    raise ValueError(f"`{CHECK_ENV}={os.environ[CHECK_ENV]}` is not understood; valid values: 1, true, 0, false."
+                     " HINT: `export LIGHTNING_ROUNDPIPE_CHECK_STREAMS=1` turns the stream checking mode on.")
 
 
 class StreamCheckError(RuntimeError):

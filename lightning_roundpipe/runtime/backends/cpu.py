@@ -309,7 +309,7 @@ class CpuBackend(Backend):
 
     def allocate_bytes(self, nbytes: int) -> torch.Tensor:
         if self.memory is not None:
-            self.memory.set_where(f"the stage weight pool, before any LOAD (a slot for the largest stage, {nbytes} bytes)")
+            self.memory.set_where(self.pool_label or f"the stage weight pool (a slot of {nbytes} bytes)")
             self.memory.check(nbytes)  # before the pool's buffer is allocated
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         if self.memory is not None:
