@@ -221,5 +221,6 @@ def test_weights_that_do_not_fit_get_a_hint_about_stages():
 
     run = trainer(lightning_roundpipe.RoundPipeStrategy(num_microbatches=2, partition="default",
                                                         device_memory_bytes=1000), devices=2, max_steps=1)
-    with pytest.raises(DeviceMemoryError, match=r"LOAD.*HINT: a stage's weights do not fit: use smaller stages"):
+    with pytest.raises(DeviceMemoryError, match=r"LOAD.*largest stage.*HINT: every device holds two slots of the largest"
+                                                r" stage's weights .*: make that stage smaller"):
         run.fit(MLPModule(scheduler=False), loader(VectorData()))

@@ -199,7 +199,7 @@ class Executor:
             if mine:
                 spec = program.plan.stages[largest]
                 backend.pool_label = (f"the stage weight pool, before any LOAD: {max(mine) + 1} slot(s) of {sizes[largest]}"
-                                      f" bytes for the largest stage, stage {largest} ({spec.describe()})")
+                                      f" bytes for the largest stage, {spec.describe()}")
                 backend.pool.reserve(max(mine) + 1, sizes[largest])
 
     def _start_refresh(self, program: StreamProgram, stale: list[int], run: ProgramRun) -> threading.Event:
