@@ -2,7 +2,7 @@
 (issue 10, item 4).
 
 Each loader runs in a fresh interpreter; the figure is the process's peak resident set
-(``resource.getrusage(RUSAGE_SELF).ru_maxrss``) minus its resident set right before loading, after
+(``VmHWM`` of ``/proc/self/status``: ``ru_maxrss`` keeps the parent's size at fork across ``exec``) minus its resident set right before loading, after
 torch, transformers, safetensors, accelerate and the Llama model code were imported; printed as a
 ratio to the checkpoint's file size. Loaders: ``streaming`` (meta-device model, one tensor at a time,
 copies), ``streaming-mmap`` (copy-on-write views of the file: the pages count once touched) and
@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 _CHILD = r"""
-import json, os, resource, sys, time
+import json, os, sys, time
 import torch, transformers, safetensors, accelerate
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 from lightning_roundpipe.runtime.loading import load_pretrained_streaming
@@ -33,7 +33,7 @@ else:
     model = load_pretrained_streaming(folder, mmap=how == "streaming-mmap")
 seconds = time.perf_counter() - start
 sum(float(p.detach().sum()) for p in model.parameters())  # touch every weight (mmap pages count once read)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) * 1024
 size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
 print(json.dumps({"peak": peak - before, "size": size, "seconds": seconds}))
 """

@@ -86,14 +86,16 @@ def test_mismatches_are_errors(saved, tmp_path):
 
 
 _RSS_CHILD = r"""
-import json, os, resource, sys
+import json, os, sys
 import torch, transformers, safetensors, accelerate
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM  # model code imported before the baseline
 from lightning_roundpipe.runtime.loading import load_pretrained_streaming
 folder = sys.argv[1]
 before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 model = load_pretrained_streaming(folder)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: this address space's own peak (ru_maxrss is not reset by exec on Linux: it keeps the parent's
+# RSS at fork, so a large pytest process made this child look 4 GB heavy)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) * 1024
 size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
 print(json.dumps({"peak_above_baseline": peak - before, "checkpoint_bytes": size}))
 """
