@@ -24,7 +24,7 @@ from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.autograd import attach
 from lightning_roundpipe.runtime.autopartition import (choose_partition, describe_choice, fused_stages, hardware_model,
                                                       microbatch_weights, predict_step_s)
-from lightning_roundpipe.runtime.backends import make_backends
+from lightning_roundpipe.runtime.backends import make_backends, step_memory_peaks
 from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.memory import HostMemory, host_memory
 from lightning_roundpipe.runtime.microbatch import check_batch_dim, merge_input_grads, merge_leaves, split_grads, split_microbatches
@@ -36,15 +36,6 @@ from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES, lower
 from lightning_roundpipe.schedule.program import StreamProgram
 
 log = logging.getLogger(__name__)
-
-
-def _once(state: PipelineState) -> None:
-    if state.backward_done:
-        raise RuntimeError(
-            "Backward through a RoundPipe pipeline ran twice: its saved activations and gradient buffers are freed"
-            " after the first backward. HINT: do not use `retain_graph=True` across the pipelined model."
-        )
-    state.backward_done = True
 
 
 class RoundPipeEngine:
@@ -214,16 +205,8 @@ class RoundPipeEngine:
         return [ledger.pop_peak() for ledger in ledgers]
 
     def pop_step_memory_peaks(self) -> list[int] | None:
-        """Per device, the most bytes allocated at once since the last call (the per-step metric
-        ``roundpipe/device{i}/peak_memory(GiB)``; CUDA and budgeted CPU virtual devices), else ``None``."""
-        by_gpu: dict = {}  # logical devices sharing one GPU share its allocator's peak: read it once
-        peaks = []
-        for backend in self.backends:
-            key = backend.device if backend.is_cuda else id(backend)
-            if key not in by_gpu:
-                by_gpu[key] = backend.pop_step_memory_peak()
-            peaks.append(by_gpu[key])
-        return None if any(p is None for p in peaks) else peaks
+        """``roundpipe/device{i}/peak_memory(GiB)``'s bytes: :func:`~lightning_roundpipe.runtime.backends.step_memory_peaks`."""
+        return step_memory_peaks(self.backends)
 
     # ------------------------------------------------------------------ install / close
     def install(self) -> None:
@@ -428,7 +411,7 @@ class RoundPipeEngine:
             idx = [i for i, x in enumerate(merged) if isinstance(x, torch.Tensor)]
 
             def run_backward(grads: list) -> list:
-                _once(state)
+                state.start_backward()
                 full = [None] * len(merged)
                 for i, g in zip(idx, grads):
                     full[i] = g
@@ -520,7 +503,7 @@ class RoundPipeEngine:
             return buf if bool(factor == 1) else buf * factor.to(buf.dtype)
 
         def run_backward(grads: list) -> list:
-            _once(state)
+            state.start_backward()
             g = grads[0]
             if g is None:
                 return [None] * len(input_grads)

@@ -61,6 +61,19 @@ class PipelineState:
     input_grad_positions: tuple = ()
     routing: RoutingStore | None = None
 
+    def start_backward(self) -> None:
+        """Mark the call's backward as started.
+
+        Raises:
+            RuntimeError: a second backward through the same call (its buffers are freed by the first).
+        """
+        if self.backward_done:
+            raise RuntimeError(
+                "Backward through a RoundPipe pipeline ran twice: its saved activations and gradient buffers are freed"
+                " after the first backward. HINT: do not use `retain_graph=True` across the pipelined model."
+            )
+        self.backward_done = True
+
 
 class ProgramRun:
     """One execution of a program: issue flags, device events, device-local slots, the first error."""

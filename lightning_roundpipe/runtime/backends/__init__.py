@@ -12,7 +12,21 @@ from lightning_roundpipe.runtime.backends.checker import StreamChecker, StreamCh
 from lightning_roundpipe.runtime.backends.cpu import CpuBackend, Link
 
 __all__ = ["Backend", "CpuBackend", "DeviceMemoryError", "DeviceMemoryLedger", "Link", "StreamCheckError",
-           "StreamChecker", "make_backends", "tree_nbytes"]
+           "StreamChecker", "make_backends", "step_memory_peaks", "tree_nbytes"]
+
+
+def step_memory_peaks(backends: Sequence[Backend]) -> list[int] | None:
+    """Per device, the most bytes allocated at once since the last call, bytes
+    (:meth:`Backend.pop_step_memory_peak`); logical devices sharing one GPU share its allocator's peak,
+    read once. ``None`` when a device measures none (CPU virtual devices without a budget)."""
+    by_gpu: dict = {}
+    peaks = []
+    for backend in backends:
+        key = backend.device if backend.is_cuda else id(backend)
+        if key not in by_gpu:
+            by_gpu[key] = backend.pop_step_memory_peak()
+        peaks.append(by_gpu[key])
+    return None if any(p is None for p in peaks) else peaks
 
 
 def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float | None = None,
