@@ -151,13 +151,7 @@ class _IssueWholeStepFirst(L.Callback):
                 while not done.wait(0.01):
                     run = executor.current_run
                     if run is not None and run is not before and all(f.is_set() for f in run.issued.values()):
-                        self.seen = {
-                            "ops": len(run.issued),
-                            "started": [[w for w in b.streams.values()] for b in executor.backends],
-                            "buffers": [len(b.pool.buffers) for b in executor.backends],
-                            "resident_max": max(run.peak_resident_bytes),
-                            "slot_bytes": [b.pool.slot_bytes for b in executor.backends],
-                        }
+                        self.seen = {"ops": len(run.issued), "buffers": [len(b.pool.buffers) for b in executor.backends]}
                         return
             finally:
                 for backend in executor.backends:

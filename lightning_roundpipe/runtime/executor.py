@@ -185,7 +185,7 @@ class Executor:
     def _wait_jobs(self, jobs: list, run: ProgramRun) -> None:
         for job in jobs:
             while not job.wait(_POLL_S):
-                if not all(b.alive for b in self.backends) or not self.host.alive:
+                if not all(b.alive for b in self.backends) or not self.host.alive or not self.refresher.alive:
                     run.fail(RuntimeError("a RoundPipe stream thread died"), "RoundPipe: runtime")
 
     def _reserve_pools(self, program: StreamProgram) -> None:

@@ -81,6 +81,7 @@ class Backend(abc.ABC):
     def close(self) -> None:
         for thread in self.threads.values():
             thread.close()
+        self.pool.clear()
 
     # ------------------------------------------------------------------ ordering
     @abc.abstractmethod

@@ -207,7 +207,6 @@ class CpuBackend(Backend):
         super().close()
         for worker in self.streams.values():
             worker.close()
-        self.pool.clear()
 
     def pause(self) -> None:
         """Hold every stream's worker before its next item (the host keeps issuing): tests and
