@@ -129,8 +129,8 @@ def _simulated_bound(two_engine, devices_one_engine, num_microbatches: int) -> f
     """The simulator's best 1-device plan over its best 2-device plan (with the 2-device choice's cut
     of the batch), both on the 2-device run's measured layer times (transfers free, as unthrottled CPU
     copies are in its model)."""
-    from lightning_roundpipe.runtime.autopartition import choose_partition
-    from lightning_roundpipe.runtime.microbatch import split_sizes
+    from lightning_roundpipe.runtime.tuning.autopartition import choose_partition
+    from lightning_roundpipe.runtime.execution.microbatch import split_sizes
 
     profiles = two_engine.measured_profiles
     one = devices_one_engine
@@ -149,7 +149,7 @@ def _plain_two_thread_speedup(args: argparse.Namespace, num_microbatches: int, r
     neighbours), a reference for the RoundPipe pair measured just before."""
     import threading
 
-    from lightning_roundpipe.runtime.microbatch import split_sizes
+    from lightning_roundpipe.runtime.execution.microbatch import split_sizes
 
     models = [LM(args).model for _ in range(2)]
     rows = split_sizes(args.batch_size, num_microbatches)

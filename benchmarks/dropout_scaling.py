@@ -10,7 +10,7 @@ optimizer). Two variants:
 - ``lora``: PEFT LoRA r=8 on ``q,k,v,o_proj``, ``lora_dropout`` 0.05 (the main job's adapter).
 
 Each variant runs in three forms: without dropout; with dropout (every decoder layer then runs
-under ``runtime/rng.py``'s private-generator scope); and, for reference, with dropout under the
+under ``runtime/replay/rng.py``'s private-generator scope); and, for reference, with dropout under the
 former process-wide lock (the global CPU generator seeded per layer under one lock, emulated here
 by replacing the executor's ``rng_scope``). Every form runs on 1 and 2 devices. All engines are
 built first and their steps interleaved round-robin, so load from other processes hits every form
@@ -33,9 +33,9 @@ import time
 import torch
 
 from lightning_roundpipe.adapters import make_layer_sequence
-from lightning_roundpipe.runtime import executor
-from lightning_roundpipe.runtime.engine import RoundPipeEngine
-from lightning_roundpipe.runtime.rng import rng_scope
+from lightning_roundpipe.runtime.execution import executor
+from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.replay.rng import rng_scope
 
 _LOCK = threading.Lock()
 

@@ -21,7 +21,7 @@ this file with it on CPU virtual devices, so a GPU run cannot die for a trivial 
 - ``throughput``: the same model and batch, fused AdamW, no clipping. Every step is timed between
   ``torch.cuda.synchronize()`` calls on every GPU at batch start and batch end (the plain run and
   RoundPipe alike). Reported: tokens/s of both runs and their ratio; MFU (model FLOPs of
-  :mod:`lightning_roundpipe.runtime.flops` / step time / (peak x physical GPUs)) against the datasheet
+  :mod:`lightning_roundpipe.runtime.tuning.flops` / step time / (peak x physical GPUs)) against the datasheet
   peak (``PEAK_FLOPS``) and against a measured bf16 matmul peak; RoundPipe's measured step beside
   ``roundpipe/predicted_step(s)`` (the simulator on the measured layer times); peak memory per GPU
   (``torch.cuda.max_memory_allocated``, read before the strategy resets it at each step end) and the
@@ -273,7 +273,7 @@ def upload_overlap(timelines: list[Any]) -> dict[str, Any]:
 def peak_flops(accelerator: str, devices: list[torch.device]) -> dict[str, float | None]:
     """The datasheet bf16 peak of the first device (``PEAK_FLOPS``; ``None`` if not listed or on the
     CPU) and a measured bf16 matmul peak (8192^3 GEMMs timed with CUDA events; 512^3 on the CPU)."""
-    from lightning_roundpipe.runtime.flops import peak_flops_per_s
+    from lightning_roundpipe.runtime.tuning.flops import peak_flops_per_s
 
     if accelerator == "cuda":
         n, reps = 8192, 20
@@ -304,7 +304,7 @@ def peak_flops(accelerator: str, devices: list[torch.device]) -> dict[str, float
 
 def model_flops_per_step(model: torch.nn.Module, tokens: int, seq_len: int) -> float:
     from lightning_roundpipe.adapters import make_layer_sequence
-    from lightning_roundpipe.runtime.flops import layer_flops, step_model_flops
+    from lightning_roundpipe.runtime.tuning.flops import layer_flops, step_model_flops
 
     return step_model_flops(layer_flops(make_layer_sequence(model).layers), tokens, seq_len)
 

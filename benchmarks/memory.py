@@ -2,7 +2,7 @@
 
 1. A tiny Llama (4 decoder layers, hidden 64, vocab 1024, tied embeddings) trained 2 steps with
    AdamW under ``strategy="roundpipe"`` on 2 CPU virtual devices; at the end of the last step
-   :func:`~lightning_roundpipe.runtime.memory.host_memory` counts, per trainable and per frozen
+   :func:`~lightning_roundpipe.runtime.host.memory.host_memory` counts, per trainable and per frozen
    parameter: the parameter tensors (masters), separate compute-dtype shadows, ``.grad``, host
    gradient buffers (peak during the step) and AdamW's state. The paper's figure for comparison:
    20 bytes per trainable parameter = 2 compute + 2 gradient slot + 4 master + 4 fp32 gradient + 8 Adam.
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_roundpipe  # noqa: E402
-from lightning_roundpipe.runtime.memory import PAPER_BYTES_PER_TRAINABLE_PARAM, HostMemory, host_memory  # noqa: E402
+from lightning_roundpipe.runtime.host.memory import PAPER_BYTES_PER_TRAINABLE_PARAM, HostMemory, host_memory  # noqa: E402
 
 COLUMNS = ("master", "shadow", "grad", "grad_buffer", "optimizer", "total")
 
@@ -95,7 +95,7 @@ def smollm2_figures() -> None:
 
     from lightning_roundpipe.adapters import make_layer_sequence
     from lightning_roundpipe.recipes.smollm2 import load_smollm2_model
-    from lightning_roundpipe.runtime.engine import RoundPipeEngine
+    from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
 
     model = get_peft_model(load_smollm2_model(), LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.05,
                                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))

@@ -23,7 +23,7 @@ _CHILD = r"""
 import json, os, sys, time
 import torch, transformers, safetensors, accelerate
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
-from lightning_roundpipe.runtime.loading import load_pretrained_streaming
+from lightning_roundpipe.runtime.host.loading import load_pretrained_streaming
 folder, how = sys.argv[1], sys.argv[2]
 before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 start = time.perf_counter()

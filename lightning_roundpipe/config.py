@@ -4,8 +4,8 @@ Pure data (no torch, no Lightning: importable alone, DESIGN.md section 3), share
 
 - :class:`~lightning_roundpipe.RoundPipeStrategy`: its keyword arguments build a config
   (``RoundPipeStrategy(num_microbatches=4)``), or take one (``RoundPipeStrategy(config=RoundPipeConfig(...))``);
-- :class:`~lightning_roundpipe.runtime.engine.RoundPipeEngine`
-  (:meth:`~lightning_roundpipe.runtime.engine.RoundPipeEngine.from_config`);
+- :class:`~lightning_roundpipe.runtime.execution.engine.RoundPipeEngine`
+  (:meth:`~lightning_roundpipe.runtime.execution.engine.RoundPipeEngine.from_config`);
 - ``conf/strategy/roundpipe.yaml``: one key per field, so every field can be set from the command line
   (``strategy.fused_loss=false strategy.optimizer=async``); a test checks the keys equal the fields.
 
@@ -105,7 +105,7 @@ class DataParallel:
             buckets after the backward.
         global_num_items: Hugging Face causal LMs called with ``labels`` and no
             ``num_items_in_batch``: normalise the loss by the label tokens of the *global* batch
-            (all-reduced; :func:`~lightning_roundpipe.runtime.allreduce.global_item_count`), so the
+            (all-reduced; :func:`~lightning_roundpipe.runtime.host.allreduce.global_item_count`), so the
             averaged gradient equals one process on the global batch also with unequal token
             counts per process (as transformers' Trainer does for DDP). ``False``: each process
             normalises by its own batch (as plain DDP would).

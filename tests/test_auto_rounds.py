@@ -19,11 +19,11 @@ import lightning_roundpipe
 from lightning_roundpipe.adapters import make_layer_sequence
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
-from lightning_roundpipe.runtime import autopartition
-from lightning_roundpipe.runtime.autopartition import (choose_partition, fused_stages, round_options, simulated_step_s,
+from lightning_roundpipe.runtime.tuning import autopartition
+from lightning_roundpipe.runtime.tuning.autopartition import (choose_partition, fused_stages, round_options, simulated_step_s,
                                                       split_options)
-from lightning_roundpipe.runtime.microbatch import split_microbatches, split_sizes
-from lightning_roundpipe.runtime.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.execution.microbatch import split_microbatches, split_sizes
+from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
 from lightning_roundpipe.schedule import build_roundpipe_plan
 from lightning_roundpipe.schedule.lower import lower
 from lightning_roundpipe.simulate import simulate_program
@@ -132,7 +132,7 @@ def test_whole_model_stage_in_rounds_keeps_parity(per_round):
 
 
 def test_describe_rounds():
-    from lightning_roundpipe.runtime.autopartition import describe_rounds
+    from lightning_roundpipe.runtime.tuning.autopartition import describe_rounds
 
     assert describe_rounds(None, 3) == "one round"
     assert describe_rounds(4, 3) == "one round"  # a round of at most 4 holds all 3

@@ -12,7 +12,7 @@ import torch
 
 from lightning_roundpipe.adapters import make_layer_sequence
 from lightning_roundpipe.runtime.backends.cpu import CpuBackend
-from lightning_roundpipe.runtime.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
 
 HIDDEN = 32
 VOCAB = 64

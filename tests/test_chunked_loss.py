@@ -11,7 +11,7 @@ from lightning_roundpipe.adapters import make_layer_sequence
 from lightning_roundpipe.adapters.chunked_loss import chunked_causal_lm_loss, default_chunk_tokens, loss_only
 from lightning_roundpipe.adapters.hf_causal_lm import HFTail
 from lightning_roundpipe.partition.costmodel import CostModel, ModelShape
-from lightning_roundpipe.runtime.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
 from _helpers import TokenData, tiny_hf
 
 V, H = 97, 16

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import lightning_roundpipe
 from _dp_worker import CLIP, ROWS, TwiceMLP
 from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, loader, max_diff, params, tiny_hf, trainer
-from lightning_roundpipe.runtime.allreduce import GradientAllReduce
+from lightning_roundpipe.runtime.host.allreduce import GradientAllReduce
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_dp_worker.py")

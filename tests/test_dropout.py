@@ -20,15 +20,15 @@ import lightning_roundpipe
 from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, fit_params, max_diff, tiny_hf
 from lightning_roundpipe.adapters import make_layer_sequence, module_uses_rng
 from lightning_roundpipe.partition.types import PartitionPlan
-from lightning_roundpipe.runtime.engine import RoundPipeEngine
-from lightning_roundpipe.runtime.microbatch import split_microbatches
-from lightning_roundpipe.runtime.rng import rng_scope
+from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.execution.microbatch import split_microbatches
+from lightning_roundpipe.runtime.replay.rng import rng_scope
 
 CPU = torch.device("cpu")
 
 
 def oracle_seed(base_seed: int, layer_index: int, microbatch_index: int) -> int:
-    """The documented seed of one (layer, microbatch) (DESIGN.md section 5, `runtime/rng.py`)."""
+    """The documented seed of one (layer, microbatch) (DESIGN.md section 5, `runtime/replay/rng.py`)."""
     digest = hashlib.blake2b(f"{base_seed}:{layer_index}:{microbatch_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 

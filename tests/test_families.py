@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.adapters import make_layer_sequence
-from lightning_roundpipe.runtime.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
 from _helpers import TokenData, VOCAB
 
 TOL = 1e-5

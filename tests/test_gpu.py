@@ -190,7 +190,7 @@ def test_cuda_step_trace_and_mfu(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     from _trace_check import check_trace
-    from lightning_roundpipe.runtime.flops import PEAK_FLOPS
+    from lightning_roundpipe.runtime.tuning.flops import PEAK_FLOPS
 
     strategy = _strategy(num_microbatches=3, profile_steps=2, trace_every_n_steps=1)
     t = trainer(strategy, devices="auto", accelerator="cuda", precision="bf16-mixed", max_steps=3,

@@ -86,7 +86,7 @@ def test_gradients_reach_modules_upstream(devices, num_microbatches):
 
 def test_input_gradient_with_autograd_grad():
     from lightning_roundpipe.adapters import make_layer_sequence
-    from lightning_roundpipe.runtime.engine import RoundPipeEngine
+    from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
     from _helpers import tiny_mlp
 
     model, ref = tiny_mlp(), tiny_mlp()

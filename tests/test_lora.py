@@ -61,7 +61,7 @@ def test_lora_bf16_mixed_frozen_base_holds_only_its_bf16_copy():
     weight H2D of a step is the size of its stages (a formula: matmul weights bf16, the rest fp32),
     and after fit the base is fp32 again: the linears with their bf16-rounded values (the values the
     pipeline computed with), the norms and the embedding bitwise unchanged."""
-    from lightning_roundpipe.runtime.memory import host_memory
+    from lightning_roundpipe.runtime.host.memory import host_memory
 
     def make():
         return CausalLMModule(get_peft_model(tiny_hf("llama"), LoraConfig(

@@ -14,8 +14,8 @@ from lightning_roundpipe.cli import main
 from lightning_roundpipe.cli.max_seq_cmd import make_report
 from lightning_roundpipe.recipes.smollm2 import tiny_smollm2
 from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError
-from lightning_roundpipe.runtime.engine import RoundPipeEngine
-from lightning_roundpipe.runtime.max_seq import causal_lm_step, measure_max_seq_len
+from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.tuning.max_seq import causal_lm_step, measure_max_seq_len
 
 MiB = 2**20
 

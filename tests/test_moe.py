@@ -12,8 +12,8 @@ from peft import LoraConfig, get_peft_model
 import lightning_roundpipe
 from lightning_roundpipe.adapters import make_layer_sequence
 from lightning_roundpipe.partition.types import PartitionPlan
-from lightning_roundpipe.runtime import routing
-from lightning_roundpipe.runtime.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.replay import routing
+from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
 from _helpers import CausalLMModule, TokenData, VOCAB, fit_params, max_diff
 
 TOL = 1e-5

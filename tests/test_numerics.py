@@ -13,8 +13,8 @@ from torch import nn
 
 import lightning_roundpipe
 from lightning_roundpipe.adapters import make_layer_sequence
-from lightning_roundpipe.runtime.engine import RoundPipeEngine
-from lightning_roundpipe.runtime.store import WeightStore
+from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.host.store import WeightStore
 from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, fit_params, max_diff, tiny_hf
 
 TOL = 1e-5

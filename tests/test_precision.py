@@ -31,7 +31,7 @@ from torch import nn
 
 import lightning_roundpipe
 from lightning_roundpipe import RoundPipePrecision
-from lightning_roundpipe.runtime.store import WeightStore
+from lightning_roundpipe.runtime.host.store import WeightStore
 from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, loader, params, tiny_hf, trainer
 
 PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"]

@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 
 import lightning_roundpipe
-from lightning_roundpipe.runtime import engine as engine_module
+from lightning_roundpipe.runtime.execution import engine as engine_module
 from lightning_roundpipe.runtime.backends import StreamChecker, StreamCheckError
 from lightning_roundpipe.runtime.backends.checker import Access
 from lightning_roundpipe.schedule import PlanValidationError
@@ -237,7 +237,7 @@ def test_the_automatic_choice_takes_the_smallest_measured_stage_budget():
     and never more than the configured budget. CPU virtual devices measure nothing."""
     from types import SimpleNamespace
 
-    from lightning_roundpipe.runtime.autopartition import stage_budget
+    from lightning_roundpipe.runtime.tuning.autopartition import stage_budget
 
     def backend(measured, device="cuda:0"):
         return SimpleNamespace(measured_stage_budget=lambda: measured, device=device)
@@ -257,8 +257,8 @@ def test_shadows_are_refreshed_off_the_main_thread_in_upload_order(monkeypatch):
     """bf16-mixed: every optimizer step makes the trainable shadows stale; the next program copies
     them on the refresh thread (never the main thread), in the order the program first uploads them,
     and the run still matches the default strategy (its own parity oracle)."""
-    from lightning_roundpipe.runtime.executor import Executor
-    from lightning_roundpipe.runtime.store import WeightStore
+    from lightning_roundpipe.runtime.execution.executor import Executor
+    from lightning_roundpipe.runtime.host.store import WeightStore
 
     events: list = []  # ("run", executor, program) then ("copy", thread name, key) for each shadow copied
     real_copy, real_run = WeightStore.refresh_entry, Executor.run

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lightning_roundpipe
-from lightning_roundpipe.runtime import engine as engine_module
+from lightning_roundpipe.runtime.execution import engine as engine_module
 from lightning_roundpipe.runtime.backends import make_backends
 from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, fit_params, max_diff, tiny_hf
 

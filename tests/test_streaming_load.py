@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lightning_roundpipe.runtime.loading import checkpoint_files, load_pretrained_streaming, load_safetensors_
+from lightning_roundpipe.runtime.host.loading import checkpoint_files, load_pretrained_streaming, load_safetensors_
 from _helpers import tiny_hf
 
 
@@ -89,7 +89,7 @@ _RSS_CHILD = r"""
 import json, os, sys
 import torch, transformers, safetensors, accelerate
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM  # model code imported before the baseline
-from lightning_roundpipe.runtime.loading import load_pretrained_streaming
+from lightning_roundpipe.runtime.host.loading import load_pretrained_streaming
 folder = sys.argv[1]
 before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 model = load_pretrained_streaming(folder)

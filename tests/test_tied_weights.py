@@ -18,7 +18,7 @@ from _helpers import tiny_hf
 from lightning_roundpipe.adapters import make_layer_sequence
 from lightning_roundpipe.cli import plan_cmd
 from lightning_roundpipe.partition import LayerProfile, PartitionPlan, describe_stages, preset_hf_config
-from lightning_roundpipe.runtime.store import WeightStore
+from lightning_roundpipe.runtime.host.store import WeightStore
 
 
 def matmul_weights(modules) -> set[int]:
@@ -115,8 +115,8 @@ def test_engine_recut_table_row_is_what_the_stage_uploads(monkeypatch):
     one fused stage (what it picks on CPU virtual devices) shows the model's distinct bytes."""
     import re
 
-    from lightning_roundpipe.runtime import engine as engine_module
-    from lightning_roundpipe.runtime.autopartition import PlanChoice
+    from lightning_roundpipe.runtime.execution import engine as engine_module
+    from lightning_roundpipe.runtime.tuning.autopartition import PlanChoice
 
     model = tiny_hf(layers=5)
     seq = make_layer_sequence(model)

@@ -197,7 +197,7 @@ def test_peak_flops_is_validated(value):
 
 
 def test_peak_flops_table_by_device_name(monkeypatch):
-    from lightning_roundpipe.runtime import flops
+    from lightning_roundpipe.runtime.tuning import flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
     cuda = torch.device("cuda", 0)
@@ -211,7 +211,7 @@ def test_peak_flops_table_by_device_name(monkeypatch):
 
 
 def test_layer_flops_counts_frozen_weights_without_weight_gradients():
-    from lightning_roundpipe.runtime.flops import layer_flops, step_model_flops
+    from lightning_roundpipe.runtime.tuning.flops import layer_flops, step_model_flops
 
     emb, lin = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 6)
     lin.weight.requires_grad_(False)

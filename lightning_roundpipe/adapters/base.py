@@ -92,7 +92,7 @@ class RoutingSpec:
 
     Attributes:
         layers: indices of the layers whose calls run inside
-            :func:`~lightning_roundpipe.runtime.routing.routing_scope` (record in the forward,
+            :func:`~lightning_roundpipe.runtime.replay.routing.routing_scope` (record in the forward,
             replay in recomputation).
         needs_totals: ``needs_totals(batch_carry) -> bool``: whether this call's recomputation
             reads whole-batch routing statistics (the load-balancing loss is on); the engine then
@@ -220,7 +220,7 @@ def module_uses_rng(module: nn.Module) -> bool:
     otherwise), or, in training mode, is a dropout (``nn.Dropout*``, also PEFT's ``lora_dropout``)
     with ``p > 0``, an ``nn.RReLU``, or carries a float ``attention_dropout``/``dropout`` attribute
     above 0 (Hugging Face attention modules and ``nn.MultiheadAttention`` apply dropout
-    functionally). Such layers run under :func:`~lightning_roundpipe.runtime.rng.rng_scope` with a
+    functionally). Such layers run under :func:`~lightning_roundpipe.runtime.replay.rng.rng_scope` with a
     per-(layer, microbatch) seed, so recomputation replays the forward's masks exactly, whichever
     device runs it; other layers run without a private generator (no overhead), and one that draws
     from torch's global generator makes the step raise ``ValueError``.

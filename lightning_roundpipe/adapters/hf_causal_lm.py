@@ -342,7 +342,7 @@ def boundary_carry_bytes(prepare: Any, hidden_size: int, kwargs: dict, dtype: to
         dtype: the hidden states' dtype (the compute dtype).
         num_microbatches: microbatches the batch is cut into.
     """
-    from lightning_roundpipe.runtime.microbatch import split_microbatches
+    from lightning_roundpipe.runtime.execution.microbatch import split_microbatches
 
     carry = dict(prepare((), kwargs))
     rows, seq = carry.pop("input_ids").shape

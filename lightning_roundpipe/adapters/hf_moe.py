@@ -2,7 +2,7 @@
 
 The decoder layers are Hugging Face's own; two things are added around them.
 
-**Routing replay** (:mod:`~lightning_roundpipe.runtime.routing`): a forward hook on every router
+**Routing replay** (:mod:`~lightning_roundpipe.runtime.replay.routing`): a forward hook on every router
 module (``Qwen3MoeTopKRouter`` at ``mlp.gate``, ``GptOssTopKRouter`` at ``mlp.router``) records the
 selected expert indices in the forward and, in a backward stage's recomputation, replaces the
 router's output by the recorded indices with the routing weights recomputed from the recomputed
@@ -46,7 +46,7 @@ from torch import nn
 
 from lightning_roundpipe.adapters.base import RoutingSpec
 from lightning_roundpipe.adapters.hf_causal_lm import HFDecoderLayer
-from lightning_roundpipe.runtime import routing
+from lightning_roundpipe.runtime.replay import routing
 
 
 def _scores_softmax_then_topk(router: nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

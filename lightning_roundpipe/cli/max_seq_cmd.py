@@ -5,7 +5,7 @@ architecture, vocabulary 49152; ``--model``: a local ``config.json``), pipelines
 ``--devices`` CPU virtual devices, each with a memory budget of ``--device-memory-mib`` (enforced:
 a step that would hold more raises ``DeviceMemoryError``), or on GPUs with their own memory, and
 finds the longest sequence by bisection on real training steps
-(:func:`lightning_roundpipe.runtime.max_seq.measure_max_seq_len`). The planner's estimate is the
+(:func:`lightning_roundpipe.runtime.tuning.max_seq.measure_max_seq_len`). The planner's estimate is the
 cost model's peak device memory for the same stages
 (:func:`lightning_roundpipe.partition.seqlen.planned_max_seq_len`). Example::
 
@@ -99,8 +99,8 @@ def make_report(args: argparse.Namespace) -> MaxSeqReport:
     from lightning_roundpipe.partition.costmodel import ModelShape, model_profiles
     from lightning_roundpipe.partition.profile import HardwareModel
     from lightning_roundpipe.partition.seqlen import peak_device_memory_bytes, planned_max_seq_len
-    from lightning_roundpipe.runtime.engine import RoundPipeEngine
-    from lightning_roundpipe.runtime.max_seq import causal_lm_step, measure_max_seq_len
+    from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
+    from lightning_roundpipe.runtime.tuning.max_seq import causal_lm_step, measure_max_seq_len
 
     for name in ("devices", "microbatch_size", "start", "limit", "resolution"):
         if getattr(args, name) < 1:

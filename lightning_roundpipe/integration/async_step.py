@@ -3,7 +3,7 @@
 RoundPipe paper (arXiv 2604.27085), section 4 ("RoundPipe" vs "RoundPipe-sync"): the CPU
 optimizer step of step k runs on a background thread while the devices compute step k+1 on the
 weights from before that step. The mechanism is
-:class:`~lightning_roundpipe.runtime.async_optimizer.BackgroundStepper`; this module wires it into
+:class:`~lightning_roundpipe.runtime.host.async_optimizer.BackgroundStepper`; this module wires it into
 Lightning's training loop:
 
 - ``optimizer.step`` is replaced, for the duration of the precision plugin's ``optimizer_step``,
@@ -34,7 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_roundpipe.config import OPTIMIZER_MODES  # validated in RoundPipeConfig
-from lightning_roundpipe.runtime.async_optimizer import BackgroundStepper
+from lightning_roundpipe.runtime.host.async_optimizer import BackgroundStepper
 
 
 def check_optimizer_mode(value: Any) -> str:

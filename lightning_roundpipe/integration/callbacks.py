@@ -33,7 +33,7 @@ class RoundPipeMetricsCallback(Callback):
     step ran, from the measured per-layer times, plus the measured optimizer time (after the
     profiled steps), ``roundpipe/host_memory(GiB)`` the host bytes of the model's parameters
     (masters, compute copies, gradients and their host buffers, optimizer state; see
-    :func:`~lightning_roundpipe.runtime.memory.host_memory`), ``roundpipe/boundary_bytes_per_microbatch(bytes)``
+    :func:`~lightning_roundpipe.runtime.host.memory.host_memory`), ``roundpipe/boundary_bytes_per_microbatch(bytes)``
     the mean bytes of one microbatch's carry at a stage boundary, what each hop moves device -> host
     -> device (:func:`~lightning_roundpipe.metrics.step.boundary_hop_bytes`). With
     ``RoundPipeStrategy(optimizer="async")`` also ``roundpipe/optimizer_thread(s)`` and

@@ -4,7 +4,7 @@ One RoundPipe process per node (its GPUs, or CPU virtual devices, are the pipeli
 host memory holds the masters), ``world_size = num_nodes`` processes in a ``torch.distributed``
 process group (gloo: the gradients live on the host). The strategy calls the helpers here from
 Lightning's hooks; the gradient averaging itself is
-:class:`~lightning_roundpipe.runtime.allreduce.GradientAllReduce`.
+:class:`~lightning_roundpipe.runtime.host.allreduce.GradientAllReduce`.
 
 Launch, as for Lightning's multi-node DDP with one process per node:
 
@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lightning_roundpipe.config import DataParallel
-from lightning_roundpipe.runtime.allreduce import GradientAllReduce, global_item_count
+from lightning_roundpipe.runtime.host.allreduce import GradientAllReduce, global_item_count
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class DataParallelSync:
     hook that starts buckets during the backward, and the global ``num_items_in_batch``.
 
     Args:
-        engine: the strategy's :class:`~lightning_roundpipe.runtime.engine.RoundPipeEngine`.
+        engine: the strategy's :class:`~lightning_roundpipe.runtime.execution.engine.RoundPipeEngine`.
         lightning_module: its trainable parameters outside the pipelined model are reduced too.
         config: :class:`DataParallel`.
     """
@@ -280,7 +280,7 @@ def node_metrics(strategy: Any, metrics: dict[str, float]) -> dict[str, float]:
     try:
         dist.all_gather_object(gathered, local)
     except Exception as error:  # another rank failed or was killed: the same clear error as the gradient all-reduce
-        from lightning_roundpipe.runtime.allreduce import _fail
+        from lightning_roundpipe.runtime.host.allreduce import _fail
 
         raise _fail("the per-node metrics gather", error) from error
     if strategy.global_rank != 0:

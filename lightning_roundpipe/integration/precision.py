@@ -22,7 +22,7 @@ Under the mixed precisions the devices compute what Lightning's autocast compute
 only the matmul weights (``nn.Linear`` and convolution weights, LoRA's included), which autocast casts
 anyway, travel in half precision; norms, biases, embeddings (a tied embedding / LM head weight too) and
 buffers travel in fp32, so embedding outputs, norms and the residual stream between stages stay fp32
-(:func:`~lightning_roundpipe.runtime.store.autocast_cast_weights`).
+(:func:`~lightning_roundpipe.runtime.host.store.autocast_cast_weights`).
 
 Code of the LightningModule outside the pipelined model runs on the main thread as under
 Lightning's own plugin: under CPU autocast for the mixed precisions (so a loss computed there is

@@ -3,7 +3,7 @@
 One process per node (a ``ParallelStrategy`` with ``world_size = num_nodes``; with one node no
 process group is made): the LightningModule (its parameters are the master weights), the
 optimizer and the batches stay on the CPU; ``parallel_devices`` are the stateless workers the
-:class:`~lightning_roundpipe.runtime.engine.RoundPipeEngine` dispatches stages to round-robin. The
+:class:`~lightning_roundpipe.runtime.execution.engine.RoundPipeEngine` dispatches stages to round-robin. The
 strategy only adapts Lightning's hooks: find the module, build the engine in ``setup``, install the
 pipelined forward, and close it in ``teardown``; with ``optimizer="async"`` it also hands the
 optimizer steps to :class:`~lightning_roundpipe.integration.async_step.AsyncOptimizer`. Across
@@ -29,9 +29,9 @@ from lightning_roundpipe.integration import data_parallel as dp
 from lightning_roundpipe.integration.async_step import AsyncOptimizer
 from lightning_roundpipe.integration.precision import RoundPipePrecision
 from lightning_roundpipe.partition.types import PartitionPlan
-from lightning_roundpipe.runtime.engine import RoundPipeEngine
-from lightning_roundpipe.runtime.autopartition import describe_rounds
-from lightning_roundpipe.runtime.plan_state import CHECKPOINT_KEY, plan_state, restore_plan_state
+from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.tuning.autopartition import describe_rounds
+from lightning_roundpipe.runtime.tuning.plan_state import CHECKPOINT_KEY, plan_state, restore_plan_state
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES
 
 StageRanges = Sequence[range | tuple[int, int] | Sequence[int]]

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from lightning_roundpipe.config import DEFAULT_TRACE_EVERY_N_STEPS
 from lightning_roundpipe.metrics.timeline import Timeline
 from lightning_roundpipe.metrics.trace import HostSpan, join_timelines, write_trace
-from lightning_roundpipe.runtime.flops import layer_flops, peak_flops_per_s, recompute_flops, step_model_flops
+from lightning_roundpipe.runtime.tuning.flops import layer_flops, peak_flops_per_s, recompute_flops, step_model_flops
 from lightning_roundpipe.schedule.program import OpKind, StreamProgram
 
 __all__ = ["StepTracer", "throughput_metrics"]
@@ -74,11 +74,11 @@ def _recomputed(programs: Sequence[StreamProgram], tokens: int) -> list[tuple[ra
 def throughput_metrics(engine: Any, batch: Any, step_s: float | None, programs: Sequence[StreamProgram],
                        peak_flops: float | None, compute_dtype: torch.dtype | None, prefix: str = "roundpipe",
                        cache: dict | None = None) -> dict[str, float]:
-    """Throughput of one step (see :mod:`lightning_roundpipe.runtime.flops` for the FLOPs).
+    """Throughput of one step (see :mod:`lightning_roundpipe.runtime.tuning.flops` for the FLOPs).
 
     Keys: ``samples_per_s``; for batches with ``input_ids`` (:func:`batch_size_of`) also
     ``tokens_per_s`` and, where the peak is known (``peak_flops``, else the GPU's entry in
-    :data:`~lightning_roundpipe.runtime.flops.PEAK_FLOPS`; none on CPU), ``mfu(%)`` (model FLOPs
+    :data:`~lightning_roundpipe.runtime.tuning.flops.PEAK_FLOPS`; none on CPU), ``mfu(%)`` (model FLOPs
     / (``step_s`` x devices x peak)) and ``hfu(%)`` (the same with the recomputation).
     """
     samples, tokens, seq_len = batch_size_of(batch)

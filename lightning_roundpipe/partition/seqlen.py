@@ -16,7 +16,7 @@ largest ``seq_len`` for which ``max_k peak(k) <= device_memory_bytes``: memory g
 sequence, so a doubling search and a bisection find it (the same search as ``roundpipe plan``'s).
 
 Pure: no torch, no device; the runtime's measured counterpart is
-:func:`lightning_roundpipe.runtime.max_seq.measure_max_seq_len`.
+:func:`lightning_roundpipe.runtime.tuning.max_seq.measure_max_seq_len`.
 """
 
 from __future__ import annotations

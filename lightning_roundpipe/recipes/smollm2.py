@@ -147,7 +147,7 @@ def load_smollm2_model(cache_dir: str | os.PathLike[str] | None = None, dtype: s
     """SmolLM2-135M-Instruct as a ``LlamaForCausalLM`` (30 layers, hidden 576, tied embeddings).
 
     The model is built on the meta device and the cached safetensors file is streamed into it one
-    tensor at a time (:func:`~lightning_roundpipe.runtime.loading.load_pretrained_streaming`).
+    tensor at a time (:func:`~lightning_roundpipe.runtime.host.loading.load_pretrained_streaming`).
 
     Args:
         cache_dir: the checkpoint folder; ``None`` for :func:`default_cache_dir`.
@@ -158,7 +158,7 @@ def load_smollm2_model(cache_dir: str | os.PathLike[str] | None = None, dtype: s
     Raises:
         ValueError: if the GGUF package is missing (see :func:`find_gguf`).
     """
-    from lightning_roundpipe.runtime.loading import load_pretrained_streaming
+    from lightning_roundpipe.runtime.host.loading import load_pretrained_streaming
 
     folder = ensure_smollm2_cache(cache_dir)
     # parameters on the meta device, then the cached safetensors streamed in one tensor at a time

@@ -1,7 +1,7 @@
 """The backend interface: one backend logic over two drivers (DESIGN.md section 4).
 
-The executor (:mod:`lightning_roundpipe.runtime.executor`) walks each stream's op list of the stream
-program on that stream's issuing thread (:class:`~lightning_roundpipe.runtime.devices.StreamThread`)
+The executor (:mod:`lightning_roundpipe.runtime.execution.executor`) walks each stream's op list of the stream
+program on that stream's issuing thread (:class:`~lightning_roundpipe.runtime.execution.devices.StreamThread`)
 and, for every op, in this order: waits (on the host) until the op's producers are *issued*, makes
 its stream wait for their events (:meth:`Backend.wait_event`, across devices too), enqueues the op's
 work (:meth:`Backend.launch`) and records the op's event (:meth:`Backend.record`). It never waits for
@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.runtime.backends.checker import Access
 from lightning_roundpipe.runtime.backends.pool import StagePool
-from lightning_roundpipe.runtime.devices import StreamThread
+from lightning_roundpipe.runtime.execution.devices import StreamThread
 from lightning_roundpipe.schedule.program import STREAMS
 
 Publish = Callable[[Any], None]

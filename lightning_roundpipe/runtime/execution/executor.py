@@ -10,20 +10,20 @@ event. A dispatch table maps each op kind to its handler:
 - ``F``: forward without autograd (the inputs of later backward stages are snapshotted as they
   pass, so an in-place op further on cannot change them); ``X``: fused tail (forward, loss,
   backward seeded with ``loss_seed``; never recomputed, logits never leave the device); ``R``:
-  recompute with autograd from a clone of the saved stage input (:mod:`~lightning_roundpipe.runtime.carry`);
+  recompute with autograd from a clone of the saved stage input (:mod:`~lightning_roundpipe.runtime.execution.carry`);
   ``B``: backward with the incoming gradient; after every ``X``/``B`` the microbatch's weight
-  gradients are added into the stage's fp32 accumulator (:mod:`~lightning_roundpipe.runtime.grads`);
+  gradients are added into the stage's fp32 accumulator (:mod:`~lightning_roundpipe.runtime.host.grads`);
 - ``D2H``: what ``F``/``X``/``B`` send to the host (boundary activations, the loss, input gradients);
 - ``WD2H``: the stage's weight gradients (the fp32 accumulator, or ``view.grad`` where the compute
   dtype is fp32) into a flat host buffer, added into the masters' ``.grad`` by the host thread in
   backward-stage order (so the result does not depend on timing);
 - ``DROP``: release the stage (after writing BatchNorm-like buffers back for forward stages).
 
-Each device runs its layers on its own :class:`~lightning_roundpipe.runtime.replica.LayerReplica`,
+Each device runs its layers on its own :class:`~lightning_roundpipe.runtime.execution.replica.LayerReplica`,
 so no lock is shared between devices. A handler that raises makes the program raise in the main
 thread with the original exception object (its type, attributes and traceback kept) and a note
 (``add_note``) naming the device, op, stream, stage, microbatch and the layer's name in the model
-(:mod:`~lightning_roundpipe.runtime.errors`); the other threads stop at their next wait.
+(:mod:`~lightning_roundpipe.runtime.execution.errors`); the other threads stop at their next wait.
 """
 
 from __future__ import annotations
@@ -40,17 +40,17 @@ from torch.utils import _pytree as pytree
 from lightning_roundpipe.adapters.base import LayerSequence
 from lightning_roundpipe.adapters.chunked_loss import loss_only
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
-from lightning_roundpipe.runtime.access import op_access, round_of
+from lightning_roundpipe.runtime.execution.access import op_access, round_of
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
 from lightning_roundpipe.runtime.backends.pool import pool_slots
-from lightning_roundpipe.runtime.carry import diff_leaves, grad_leaves, grad_positions, snapshot
-from lightning_roundpipe.runtime.devices import StreamThread
-from lightning_roundpipe.runtime.errors import ErrorNotes
-from lightning_roundpipe.runtime.replica import LayerReplica
-from lightning_roundpipe.runtime.rng import layer_seed, rng_layers, rng_scope  # noqa: F401 (rng_layers: the engine's)
-from lightning_roundpipe.runtime.routing import routing_scope
-from lightning_roundpipe.runtime.run_state import _POLL_S, PipelineState, ProgramRun, _Aborted  # noqa: F401 (PipelineState: the engine's)
-from lightning_roundpipe.runtime.store import WeightStore
+from lightning_roundpipe.runtime.execution.carry import diff_leaves, grad_leaves, grad_positions, snapshot
+from lightning_roundpipe.runtime.execution.devices import StreamThread
+from lightning_roundpipe.runtime.execution.errors import ErrorNotes
+from lightning_roundpipe.runtime.execution.replica import LayerReplica
+from lightning_roundpipe.runtime.replay.rng import layer_seed, rng_layers, rng_scope  # noqa: F401 (rng_layers: the engine's)
+from lightning_roundpipe.runtime.replay.routing import routing_scope
+from lightning_roundpipe.runtime.execution.run_state import _POLL_S, PipelineState, ProgramRun, _Aborted  # noqa: F401 (PipelineState: the engine's)
+from lightning_roundpipe.runtime.host.store import WeightStore
 from lightning_roundpipe.schedule.lower import plan_dispatches
 from lightning_roundpipe.schedule.program import STREAMS, Op, OpKind, StreamProgram
 
@@ -81,7 +81,7 @@ class Executor:
         into the masters' ``.grad``, or into ``state.grad_sink`` (fused path): called with the
         stage's layers and that sink (``None``: ``.grad``), whose entries for those layers are then
         complete for this backward (the data-parallel all-reduce starts there:
-        :mod:`~lightning_roundpipe.runtime.allreduce`)."""
+        :mod:`~lightning_roundpipe.runtime.host.allreduce`)."""
         self._dispatch: dict[OpKind, Callable[[Backend, Op, ProgramRun], int]] = {
             OpKind.LOAD: self._load, OpKind.H2D: self._h2d, OpKind.GH2D: self._gh2d,
             OpKind.F: self._forward, OpKind.X: self._fused, OpKind.R: self._recompute, OpKind.B: self._backward,

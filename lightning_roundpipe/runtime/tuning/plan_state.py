@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
-from lightning_roundpipe.runtime.autopartition import PlanChoice, describe_rounds
+from lightning_roundpipe.runtime.tuning.autopartition import PlanChoice, describe_rounds
 
 CHECKPOINT_KEY = "roundpipe_plan"
 """The checkpoint's key for :func:`plan_state`."""
@@ -32,7 +32,7 @@ def _ranges(stages) -> list[list[int]]:
 
 def _settings(engine: Any) -> dict[str, Any]:
     """What the choice was made for: a resumed run with other settings makes its own."""
-    from lightning_roundpipe.runtime.rng import rng_layers
+    from lightning_roundpipe.runtime.replay.rng import rng_layers
 
     return {"num_layers": len(engine.seq), "num_devices": len(engine.backends),
             "num_microbatches": engine.num_microbatches, "balance_microbatches": engine.balance_microbatches,

@@ -21,16 +21,16 @@ from lightning_roundpipe.adapters.base import LayerSequence
 from lightning_roundpipe.config import RoundPipeConfig
 from lightning_roundpipe.metrics.timeline import Timeline
 from lightning_roundpipe.partition.types import PartitionPlan
-from lightning_roundpipe.runtime.autograd import attach
-from lightning_roundpipe.runtime.autopartition import (choose_partition, describe_choice, fused_stages, hardware_model,
+from lightning_roundpipe.runtime.execution.autograd import attach
+from lightning_roundpipe.runtime.tuning.autopartition import (choose_partition, describe_choice, fused_stages, hardware_model,
                                                       microbatch_weights, predict_step_s)
 from lightning_roundpipe.runtime.backends import make_backends, step_memory_peaks
-from lightning_roundpipe.runtime.executor import Executor, PipelineState, rng_layers
-from lightning_roundpipe.runtime.memory import HostMemory, host_memory
-from lightning_roundpipe.runtime.microbatch import check_batch_dim, merge_input_grads, merge_leaves, split_grads, split_microbatches
-from lightning_roundpipe.runtime.profiler import LayerProfiler
-from lightning_roundpipe.runtime.routing import RoutingStore
-from lightning_roundpipe.runtime.store import WeightStore
+from lightning_roundpipe.runtime.execution.executor import Executor, PipelineState, rng_layers
+from lightning_roundpipe.runtime.host.memory import HostMemory, host_memory
+from lightning_roundpipe.runtime.execution.microbatch import check_batch_dim, merge_input_grads, merge_leaves, split_grads, split_microbatches
+from lightning_roundpipe.runtime.tuning.profiler import LayerProfiler
+from lightning_roundpipe.runtime.replay.routing import RoutingStore
+from lightning_roundpipe.runtime.host.store import WeightStore
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages, default_stage_ranges
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES, lower
 from lightning_roundpipe.schedule.program import StreamProgram
@@ -49,7 +49,7 @@ class RoundPipeEngine:
             backward stages of 1 layer (:func:`default_stage_ranges`).
         compute_dtype: dtype the matmul weights (``nn.Linear`` / convolution weights) are uploaded in
             under mixed precision, the other tensors keeping their master's dtype (``None``: every
-            tensor as its master; see :class:`~lightning_roundpipe.runtime.store.WeightStore`).
+            tensor as its master; see :class:`~lightning_roundpipe.runtime.host.store.WeightStore`).
         autocast_dtype: ``torch.autocast`` dtype on the workers (``None``: no autocast).
         auto_partition_after_steps: profile every layer during this many steps (the first is
             dropped as warm-up), then re-cut the stages with
@@ -81,7 +81,7 @@ class RoundPipeEngine:
             are divided by it again when the returned loss's backward scales them. ``None``: 1.0.
         balance_microbatches: with ``auto_partition_after_steps``, the automatic choice may also cut
             the batch into the next multiple of the device count of microbatches
-            (:func:`~lightning_roundpipe.runtime.autopartition.split_options`); ``False``: always
+            (:func:`~lightning_roundpipe.runtime.tuning.autopartition.split_options`); ``False``: always
             ``num_microbatches`` (the default here; the strategy's default is ``True``).
 
     Raises:
@@ -279,7 +279,7 @@ class RoundPipeEngine:
     def close(self) -> None:
         """Uninstall, stop the worker threads and give frozen parameters held in the compute dtype
         their original dtype back (values stay rounded to the compute dtype: see
-        :meth:`~lightning_roundpipe.runtime.store.WeightStore.restore_frozen`)."""
+        :meth:`~lightning_roundpipe.runtime.host.store.WeightStore.restore_frozen`)."""
         self.uninstall()
         self.executor.close()
         self.store.restore_frozen()
@@ -567,7 +567,7 @@ class RoundPipeEngine:
         return new
 
     def hardware_model(self):
-        """The link model of the prediction (:func:`~lightning_roundpipe.runtime.autopartition.hardware_model`)."""
+        """The link model of the prediction (:func:`~lightning_roundpipe.runtime.tuning.autopartition.hardware_model`)."""
         return hardware_model(self)
 
     def microbatch_weights(self, num_microbatches: int) -> list[float] | None:
@@ -590,7 +590,7 @@ class RoundPipeEngine:
     def host_memory(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> HostMemory:
         """Host bytes of the model's parameters by category (masters, shadows, gradients, host
         gradient buffers at the peak since the last call, the state of ``optimizers``), trainable
-        and frozen apart (:func:`~lightning_roundpipe.runtime.memory.host_memory`)."""
+        and frozen apart (:func:`~lightning_roundpipe.runtime.host.memory.host_memory`)."""
         return host_memory(self.store, optimizers, self.executor.pop_peak_grad_bytes())
 
     def pop_timelines(self) -> list[Timeline]:

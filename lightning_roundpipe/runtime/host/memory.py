@@ -30,7 +30,7 @@ from typing import Iterable
 
 import torch
 
-from lightning_roundpipe.runtime.store import WeightStore
+from lightning_roundpipe.runtime.host.store import WeightStore
 
 #: the paper's host bytes per trainable parameter, by category (mixed precision with Adam)
 PAPER_BYTES_PER_TRAINABLE_PARAM = {"compute copy": 2, "gradient slot": 2, "master": 4, "fp32 gradient": 4, "adam": 8}
@@ -106,7 +106,7 @@ def host_memory(store: WeightStore, optimizers: Iterable[torch.optim.Optimizer] 
         optimizers: optimizers whose ``state`` is counted (state of parameters outside the store
             is ignored).
         peak_grad_bytes: the most bytes ``.grad`` and the host gradient buffers held at once
-            during the step (:meth:`~lightning_roundpipe.runtime.executor.Executor.pop_peak_grad_bytes`);
+            during the step (:meth:`~lightning_roundpipe.runtime.execution.executor.Executor.pop_peak_grad_bytes`);
             all of it is trainable parameters': frozen parameters have no gradient.
 
     Returns:

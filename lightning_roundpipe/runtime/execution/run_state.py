@@ -1,4 +1,4 @@
-"""The host-side state of one pipelined call and of one program run (:mod:`~lightning_roundpipe.runtime.executor`).
+"""The host-side state of one pipelined call and of one program run (:mod:`~lightning_roundpipe.runtime.execution.executor`).
 
 :class:`PipelineState` is the data a pipelined call's forward and backward programs share (boundary
 activations, gradients, the fused path's gradient sink); :class:`ProgramRun` is one execution of one
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from lightning_roundpipe.runtime.routing import RoutingStore
+from lightning_roundpipe.runtime.replay.routing import RoutingStore
 from lightning_roundpipe.schedule.program import Op, OpKind, StreamProgram
 
 _POLL_S = 0.05
@@ -44,7 +44,7 @@ class PipelineState:
         input_grad_positions: flat (pytree) positions of the batch inputs that need a gradient;
             their per-microbatch gradients go to ``grads[(0, microbatch_index)]``.
         routing: mixture-of-experts: the routing recorded by the forward and replayed by the
-            recomputation (:mod:`~lightning_roundpipe.runtime.routing`); ``None`` for dense models.
+            recomputation (:mod:`~lightning_roundpipe.runtime.replay.routing`); ``None`` for dense models.
     """
 
     num_microbatches: int

@@ -1,7 +1,7 @@
 """`StreamThread`: one host thread that runs the jobs given to it, in order.
 
 Every stream of every device (``weights``, ``h2d``, ``compute``, ``d2h``) has one such *issuing*
-thread, which walks that stream's op list of the stream program (:mod:`lightning_roundpipe.runtime.executor`)
+thread, which walks that stream's op list of the stream program (:mod:`lightning_roundpipe.runtime.execution.executor`)
 and enqueues each op through the driver: on CUDA the op's kernels go on its CUDA stream; on CPU virtual
 devices the op goes to the stream's worker (:class:`~lightning_roundpipe.runtime.backends.cpu.CpuStream`),
 which runs it later. Grad mode and autocast are thread-local: ops set them where they run.

@@ -47,7 +47,7 @@ def failing_module(error: BaseException, replicas: Sequence, seq: LayerSequence)
 
     Args:
         error: the exception, with its traceback.
-        replicas: this device's :class:`~lightning_roundpipe.runtime.replica.LayerReplica` per layer.
+        replicas: this device's :class:`~lightning_roundpipe.runtime.execution.replica.LayerReplica` per layer.
         seq: the layer sequence (names are looked up in ``seq.target``).
 
     Returns:

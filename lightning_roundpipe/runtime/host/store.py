@@ -28,7 +28,7 @@
   uploaded in chunks of at most ``chunk_bytes`` that may cut a tensor; on the device every tensor
   is a view into the stage's buffer.
 - **Gradients**: a backward stage's gradients are summed over its microbatches on the device, in fp32
-  where the upload dtype is narrower (:mod:`~lightning_roundpipe.runtime.grads`), come back in one
+  where the upload dtype is narrower (:mod:`~lightning_roundpipe.runtime.host.grads`), come back in one
   flat host buffer, and the host adds them
   into the masters' ``.grad`` (or the fused path's CPU buffers) in a fixed order, so the result does
   not depend on thread timing. Tied parameters (SmolLM2's embedding and LM head) are one master:
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.partition.profile import SharedWeight
-from lightning_roundpipe.runtime.grads import GradAccumulator, download_bytes, needs_fp32_accumulation
+from lightning_roundpipe.runtime.host.grads import GradAccumulator, download_bytes, needs_fp32_accumulation
 
 _ALIGN = 16
 
@@ -358,7 +358,7 @@ class WeightStore:
     def resident(self, layout: StageLayout, buffer: torch.Tensor, with_grad: bool) -> ResidentStage:
         """Typed views of a stage's device buffer (the replica's parameters and buffers); with
         ``with_grad``, the trainable parameters' views require grad and those narrower than fp32
-        get a :class:`~lightning_roundpipe.runtime.grads.GradAccumulator`."""
+        get a :class:`~lightning_roundpipe.runtime.host.grads.GradAccumulator`."""
         views, grad_pairs, buffer_pairs = [], [], []
         for key, offset in zip(layout.tensors, layout.offsets):
             entry = self.tensors[key]

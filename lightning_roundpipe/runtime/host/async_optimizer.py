@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable
 
-from lightning_roundpipe.runtime.devices import StreamThread
+from lightning_roundpipe.runtime.execution.devices import StreamThread
 
 
 def _lower_priority(niceness: int) -> None:

@@ -18,7 +18,7 @@ at those indices, so they stay differentiable functions of the logits, exactly a
   probability sums) and sums them over the whole batch once every microbatch's forward has passed
   every routing layer (:meth:`RoutingStore.totals`).
 - :func:`routing_scope`: the executor runs every call of a routing layer inside it (thread-local,
-  like :func:`~lightning_roundpipe.runtime.rng.rng_scope`); the adapter's router hooks read it
+  like :func:`~lightning_roundpipe.runtime.replay.rng.rng_scope`); the adapter's router hooks read it
   with :func:`current`. Outside a scope (the model's own forward) the hooks do nothing.
 
 Set :data:`REPLAY_ROUTING` to ``False`` (debugging only) to recompute a fresh top-k instead, which

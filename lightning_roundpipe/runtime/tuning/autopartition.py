@@ -3,7 +3,7 @@ after the profiled steps the candidate partitions, each with the candidate micro
 timed by the simulator on the measured layer times and the fastest wins; and the prediction of the
 steps the engine runs.
 
-Functions of a :class:`~lightning_roundpipe.runtime.engine.RoundPipeEngine` (passed in; this module
+Functions of a :class:`~lightning_roundpipe.runtime.execution.engine.RoundPipeEngine` (passed in; this module
 does not import it); :func:`fused_stages` is also the engine's fused-path stage list.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
-from lightning_roundpipe.runtime.microbatch import split_sizes
+from lightning_roundpipe.runtime.execution.microbatch import split_sizes
 from lightning_roundpipe.schedule import build_stages, default_stage_ranges
 
 
@@ -78,7 +78,7 @@ def split_options(engine: Any, num_microbatches: int, rows: int) -> list[int]:
 def no_split_reason(engine: Any) -> str | None:
     """Why :func:`split_options` offers no finer cut whatever the rows and devices (a phrase for the
     choice's line), or ``None``."""
-    from lightning_roundpipe.runtime.rng import rng_layers
+    from lightning_roundpipe.runtime.replay.rng import rng_layers
 
     if engine.rounds_pinned:
         return "`microbatches_per_round` is set"

@@ -1,0 +1,1 @@
+"""Execution: the engine (the pipelined forward), the executor that issues each stream's ops in order, per-device layer replicas, boundary carry, autograd nodes, microbatch split/merge, error notes."""

@@ -1,0 +1,1 @@
+"""What recomputation must replay exactly: dropout RNG and MoE routing."""

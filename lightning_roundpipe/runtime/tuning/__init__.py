@@ -1,0 +1,1 @@
+"""Profiling, the automatic choice of partition and rounds, plan state in checkpoints, max-seq."""
