@@ -42,11 +42,11 @@ def capture_uploads(monkeypatch) -> list[dict]:
     seen: list[dict] = []
     upload = CpuBackend.to_device
 
-    def to_device(self, tree, publish):
+    def to_device(self, tree, publish, *args, **kwargs):
         if isinstance(tree, dict) and "hidden_states" in tree:
             seen.append({k: (tuple(v.shape), v.dtype) for k, v in tree.items() if isinstance(v, torch.Tensor)})
             assert not any(isinstance(v, (dict, tuple, list)) for v in tree.values()), sorted(tree)
-        return upload(self, tree, publish)
+        return upload(self, tree, publish, *args, **kwargs)
 
     monkeypatch.setattr(CpuBackend, "to_device", to_device)
     return seen

@@ -70,7 +70,7 @@ def test_out_of_memory_leaves_nothing_behind_and_the_next_step_is_right():
         with pytest.raises(DeviceMemoryError, match="ran out of its"):
             model(input_ids=long_ids, labels=long_ids)
         gc.collect()  # the failed step's traceback holds reference cycles
-        assert all(b.memory.in_use_bytes == b.pool.nbytes for b in engine.backends)
+        assert all(b.memory.in_use_bytes == b.pool_bytes for b in engine.backends)
         model.zero_grad(set_to_none=True)
         ids = torch.randint(0, 49152, (2, 16))
         loss = model(input_ids=ids, labels=ids).loss
@@ -80,8 +80,8 @@ def test_out_of_memory_leaves_nothing_behind_and_the_next_step_is_right():
         assert abs(loss.item() - expected.item()) < 1e-5
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5)
-        # devices hold nothing between steps but their stage weight pool (no replica keeps anything else alive)
-        assert all(b.memory.in_use_bytes == b.pool.nbytes for b in engine.backends)
+        # devices hold nothing between steps but their pools (no replica keeps anything else alive)
+        assert all(b.memory.in_use_bytes == b.pool_bytes for b in engine.backends)
         assert max(engine.pop_device_memory_peaks()) <= 64 * MiB
     finally:
         engine.close()

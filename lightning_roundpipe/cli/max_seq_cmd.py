@@ -153,8 +153,8 @@ def make_report(args: argparse.Namespace) -> MaxSeqReport:
         return model_profiles(shape, hardware, seq_len=seq_len, microbatch_size=args.microbatch_size,
                               compute_dtype_bytes=dtype_bytes)
 
-    planned = planned_max_seq_len(modelled, stages, D, budget, limit=args.limit)
-    planned_peak = peak_device_memory_bytes(modelled(max(result.max_seq_len, 1)), stages, D)
+    planned = planned_max_seq_len(modelled, stages, D, budget, limit=args.limit, num_microbatches=M)
+    planned_peak = peak_device_memory_bytes(modelled(max(result.max_seq_len, 1)), stages, D, M)
     return MaxSeqReport(measured=result.max_seq_len, planned=planned, first_failing=result.first_failing,
                         trials=result.trials, measured_peak_bytes=measured_peak, planned_peak_bytes=planned_peak,
                         device_memory_bytes=budget, error=result.error)

@@ -5,9 +5,14 @@ the device prefetches the weights of its next stage while ``k`` computes). The r
 device's stage weights in a pool of two slots, each as large as the largest stage
 (:mod:`lightning_roundpipe.runtime.backends.pool`), so:
 
-    peak(k) = stage_memory(k) - param_bytes(k) + slots * max_j param_bytes(j)
+    peak(k) = stage_memory(k) - param_bytes(k) + slots * max_j param_bytes(j) + transfer_pool
 
-(``slots`` = 2, or 1 when no device runs more than one stage).
+(``slots`` = 2, or 1 when no device runs more than one stage). ``transfer_pool`` (given the number
+of microbatches) is the device's pool of upload destinations: the runtime gives every stage input
+and incoming gradient of the step's program a slot (:func:`~lightning_roundpipe.schedule.buffers.device_slots`,
+reused only where the program orders it), every device the same slots, each as large as the
+largest boundary it holds (:func:`transfer_pool_bytes`); the stage's own input is then counted
+twice (in ``stage_memory`` too), a small overestimate.
 
 with :func:`~lightning_roundpipe.partition.partitioner.stage_memory` (weights, gradients, saved
 activations, stage input and output of one microbatch) for backward stages and the fused tail, and
@@ -25,13 +30,47 @@ from typing import Callable, Sequence
 
 from lightning_roundpipe.partition.costmodel import ModelledProfiles
 from lightning_roundpipe.partition.partitioner import stage_memory
+from lightning_roundpipe.schedule.buffers import device_slots
+from lightning_roundpipe.schedule.lower import lower
+from lightning_roundpipe.schedule.plan import StageSpec
+from lightning_roundpipe.schedule.roundpipe import build_roundpipe_plan
 
 #: ``(kind, layers)`` of each stage in round-robin order; kind ``forward``, ``fused`` or ``backward``.
 Stages = Sequence[tuple[str, range]]
 
 
-def peak_device_memory_bytes(mp: ModelledProfiles, stages: Stages, num_devices: int) -> int:
-    """The modelled peak bytes on any device for one step of ``stages`` (see the module docstring).
+def transfer_pool_bytes(mp: ModelledProfiles, stages: Stages, num_devices: int, num_microbatches: int) -> int:
+    """Bytes of one device's activation transfer pool for one step of ``stages`` with
+    ``num_microbatches`` (see the module docstring): per slot, the largest boundary put in it (a stage
+    input: ``activation_bytes`` of its first layer; an incoming gradient: of the layer after its last).
+
+    Raises:
+        ValueError: for an unknown stage kind, or an invalid plan (``num_microbatches < 1``).
+    """
+    specs = []
+    for index, (kind, layers) in enumerate(stages):
+        if kind not in ("forward", "fused", "backward"):
+            raise ValueError(f"Stage kind must be 'forward', 'fused' or 'backward', got {kind!r}.")
+        specs.append(StageSpec(index, "forward" if kind == "forward" else "backward", layers, fused=kind == "fused"))
+    program = lower(build_roundpipe_plan(specs, num_devices, num_microbatches), validate=False)
+    act = [p.activation_bytes for p in mp.profiles]
+
+    def boundary(layer: int) -> int:
+        return act[layer] if layer < len(act) else 0
+
+    sizes: dict[int, int] = {}
+    for plan in device_slots(program):
+        for (kind, stage_index, _), slot in plan.slots.items():
+            layers = program.plan.stages[stage_index].layers
+            nbytes = boundary(layers.start if kind == "in" else layers.stop)
+            sizes[slot] = max(sizes.get(slot, 0), nbytes)
+    return sum(sizes.values())
+
+
+def peak_device_memory_bytes(mp: ModelledProfiles, stages: Stages, num_devices: int,
+                             num_microbatches: int | None = None) -> int:
+    """The modelled peak bytes on any device for one step of ``stages`` (see the module docstring);
+    with ``num_microbatches``, the transfer pool of that step's program is included.
 
     Raises:
         ValueError: for ``num_devices < 1`` or an unknown stage kind.
@@ -46,11 +85,13 @@ def peak_device_memory_bytes(mp: ModelledProfiles, stages: Stages, num_devices: 
         params.append(sum(mp.profiles[i].param_bytes for i in layers))
     slots = 2 if len(stages) > num_devices else 1  # a device that runs one stage never prefetches
     pool = slots * max(params, default=0)
+    if num_microbatches is not None:
+        pool += transfer_pool_bytes(mp, stages, num_devices, num_microbatches)
     return max(m - params[k] + pool for k, m in enumerate(mems))
 
 
 def planned_max_seq_len(modelled: Callable[[int], ModelledProfiles], stages: Stages, num_devices: int,
-                        device_memory_bytes: int, *, limit: int = 1 << 20) -> int:
+                        device_memory_bytes: int, *, limit: int = 1 << 20, num_microbatches: int | None = None) -> int:
     """Longest sequence (tokens) whose modelled peak device memory fits ``device_memory_bytes``; 0 if
     not even one token fits; ``limit`` means "at least ``limit``".
 
@@ -60,10 +101,11 @@ def planned_max_seq_len(modelled: Callable[[int], ModelledProfiles], stages: Sta
         num_devices: devices of the round robin.
         device_memory_bytes: one device's memory, bytes.
         limit: the largest length searched.
+        num_microbatches: microbatches per step: the transfer pool is counted (``None``: it is not).
     """
 
     def fits(seq_len: int) -> bool:
-        return peak_device_memory_bytes(modelled(seq_len), stages, num_devices) <= device_memory_bytes
+        return peak_device_memory_bytes(modelled(seq_len), stages, num_devices, num_microbatches) <= device_memory_bytes
 
     return largest_fitting(fits, limit)
 

@@ -15,8 +15,11 @@ the device there: the host runs ahead until it needs data itself (:meth:`Backend
   enqueues the op on the stream's worker thread, which runs it later in stream order; events are
   completed by the worker; an optional checking mode verifies every buffer access against the waits.
 
-Everything above the driver (ordering, event placement, the stage weight pool, run-ahead) is one code
-path, so every CPU test runs the logic a GPU runs.
+Everything above the driver (ordering, event placement, the buffer pools, run-ahead) is one code
+path, so every CPU test runs the logic a GPU runs. Data moves only between pooled buffers
+(:mod:`~lightning_roundpipe.runtime.backends.pool`): :meth:`Backend.to_device` packs a host pytree
+into a device transfer slot, :meth:`Backend.to_host` packs device pytrees into host staging blocks;
+the drivers only copy (:meth:`Backend.copy_h2d`, :meth:`Backend.copy_d2h`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.runtime.backends.checker import Access
-from lightning_roundpipe.runtime.backends.pool import StagePool
+from lightning_roundpipe.runtime.backends.pool import SlotPool, StagePool, pack
 from lightning_roundpipe.runtime.execution.devices import StreamThread
 from lightning_roundpipe.schedule.program import STREAMS
 
@@ -52,6 +55,9 @@ class Backend(abc.ABC):
         threads: ``threads[stream]``, the issuing :class:`StreamThread` of each stream of :data:`STREAMS`.
         pool: the device's :class:`~lightning_roundpipe.runtime.backends.pool.StagePool` of stage
             weight buffers.
+        transfer_pool: the device's :class:`~lightning_roundpipe.runtime.backends.pool.SlotPool` of
+            upload destinations (activations, boundary inputs, incoming gradients).
+        accumulator_pool: the device's fp32 gradient accumulators, one slot per stage weight slot.
         checker: the checking mode's shared checker (``None``: off; CPU virtual devices only).
     """
 
@@ -64,6 +70,18 @@ class Backend(abc.ABC):
         self.device = torch.device(device)
         self.threads: dict[str, StreamThread] = {}
         self.pool = StagePool(self.allocate_bytes)
+        self.transfer_pool = SlotPool(lambda n: self.allocate_bytes(n, "the activation transfer pool"))
+        self.accumulator_pool = SlotPool(lambda n: self.allocate_bytes(n, "the fp32 gradient accumulator pool"))
+
+    @property
+    def pools(self) -> dict[str, Any]:
+        """The device's pools by name (``stage weights``, ``transfers``, ``accumulators``)."""
+        return {"stage weights": self.pool, "transfers": self.transfer_pool, "accumulators": self.accumulator_pool}
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes all the device's pools hold."""
+        return sum(pool.nbytes for pool in self.pools.values())
 
     def _start_threads(self) -> None:
         for stream in STREAMS:
@@ -81,7 +99,8 @@ class Backend(abc.ABC):
     def close(self) -> None:
         for thread in self.threads.values():
             thread.close()
-        self.pool.clear()
+        for pool in self.pools.values():
+            pool.clear()
 
     # ------------------------------------------------------------------ ordering
     @abc.abstractmethod
@@ -139,26 +158,69 @@ class Backend(abc.ABC):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ data
-    @abc.abstractmethod
-    def to_device(self, tree: Any, publish: Publish) -> int:
-        """H2D copy of a host pytree on the ``h2d`` stream.
+    def to_device(self, tree: Any, publish: Publish, buffer: torch.Tensor,
+                  stage: Callable[[list], list] | None = None) -> int:
+        """H2D copy of a host pytree on the ``h2d`` stream into ``buffer`` (a pooled device slot at
+        least :func:`~lightning_roundpipe.runtime.backends.pool.packed_nbytes` long).
 
-        ``publish(tree_on_device)`` is called with the destination as soon as it exists (before the
-        data is guaranteed there); returns the bytes moved.
+        ``publish(tree_on_device)`` is called with the destination views as soon as they exist
+        (before the data is guaranteed there); ``stage(pairs)`` may replace sources that the driver
+        cannot copy asynchronously (pageable memory on CUDA) by pinned staging copies. Returns the
+        bytes moved.
         """
+        views, pairs = pack(tree, buffer)
+        if stage is not None:
+            pairs = stage(pairs)
+        self.poison([dst for dst, _ in pairs])
+        publish(views)
+        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+        self.copy_h2d(pairs, nbytes)
+        return nbytes
+
+    def to_host(self, parts: list[tuple[Any, torch.Tensor]], publish: Publish, gradients: bool = False) -> int:
+        """D2H copy, on the ``d2h`` stream, of device pytrees into host staging blocks: ``parts`` is
+        ``[(device tree, host block)]``; ``publish([host tree, ...])`` receives the destination views
+        first (valid once the op's event completed). ``gradients``: weight gradients (a CPU
+        virtual device's link sends activations first). Returns the bytes moved."""
+        trees, pairs = [], []
+        for tree, block in parts:
+            views, more = pack(tree, block)
+            trees.append(views)
+            pairs += more
+        self.poison([dst for dst, _ in pairs])
+        publish(trees)
+        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+        self.copy_d2h(pairs, nbytes, gradients)
+        return nbytes
 
     @abc.abstractmethod
-    def to_host(self, tree: Any, publish: Publish) -> int:
-        """D2H copy of a device pytree on the ``d2h`` stream (pinned host memory on CUDA); as
-        :meth:`to_device`, ``publish`` receives the host destination first."""
+    def copy_h2d(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
+        """``dst.copy_(src)`` for each ``(device view, host tensor)`` pair, on the ``h2d`` stream
+        (asynchronous on CUDA: every source is pinned), ``nbytes`` in all."""
 
     @abc.abstractmethod
-    def allocate_bytes(self, nbytes: int) -> torch.Tensor:
-        """A new device buffer of ``nbytes`` bytes (``uint8``): the stage weight pool's slots.
+    def copy_d2h(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, gradients: bool = False) -> None:
+        """``dst.copy_(src)`` for each ``(host staging view, device tensor)`` pair, on the ``d2h``
+        stream. CUDA: asynchronous; a source made by the compute stream (not a pooled buffer) is
+        kept referenced until the copy has completed (:meth:`release_after`), never ``record_stream``."""
+
+    def needs_staging(self, tensor: torch.Tensor) -> bool:
+        """Whether an upload from host ``tensor`` must first be copied into pinned staging memory
+        (CUDA: pageable or non-contiguous memory, which ``cudaMemcpyAsync`` would copy synchronously)."""
+        return False
+
+    @abc.abstractmethod
+    def allocate_bytes(self, nbytes: int, what: str | None = None) -> torch.Tensor:
+        """A new device buffer of ``nbytes`` bytes (``uint8``): a slot of one of the device's pools
+        (``what`` names the pool in a memory error; default: the stage weight pool).
 
         Raises:
             DeviceMemoryError (CPU budget) / torch.OutOfMemoryError (CUDA): it does not fit.
         """
+
+    def allocate_host_bytes(self, nbytes: int) -> torch.Tensor:
+        """A new host staging block of ``nbytes`` bytes (``uint8``; exact size, pinned on CUDA)."""
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def pop_step_memory_peak(self) -> int | None:
         """Most bytes allocated on the device at once since the last call, bytes (CUDA: the caching
@@ -181,19 +243,18 @@ class Backend(abc.ABC):
         where the budget is given instead (CPU virtual devices: ``device_memory_bytes // 2``)."""
         return None
 
-    def record_use(self, tensors: list[torch.Tensor], stream: str) -> None:
-        """``tensors``, allocated on the current stream, are also used by ``stream``: CUDA keeps
-        their blocks from reuse until that stream's work completes (``record_stream``); nothing on CPU."""
+    def release_after(self, tensors: list[torch.Tensor], stream: str) -> None:
+        """``tensors`` (made by the caching allocator on another stream) were used by ``stream``'s work
+        issued so far: keep them referenced until that work has completed, so their memory returns to
+        the allocator only when no stream uses it any more (CUDA, instead of ``record_stream``);
+        nothing on CPU, where the stream workers hold what they use."""
 
-    def poison(self, buffer: torch.Tensor) -> None:
-        """Debug (CPU ``copy_delay_s``): fill a stage buffer with NaN before its load; else nothing."""
+    def poison(self, buffers: torch.Tensor | list[torch.Tensor]) -> None:
+        """Debug (CPU ``copy_delay_s``): fill copy destinations with NaN (integers with -1) before the
+        copy is published; else nothing."""
 
     @abc.abstractmethod
     def copy_chunk(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
         """One weight chunk: ``dst.copy_(src)`` for each ``(device bytes, host bytes)`` piece, on the
         ``weights`` stream, ``nbytes`` in all."""
 
-    @abc.abstractmethod
-    def grads_to_host(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """D2H of a stage's gradients into one flat host buffer (pinned on CUDA), on ``d2h``; returns
-        one host view per gradient (valid once the op's event completed)."""

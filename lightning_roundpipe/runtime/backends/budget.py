@@ -4,8 +4,9 @@ A CPU virtual device's "device memory" is ordinary host memory, so nothing would
 With ``device_memory_bytes`` set, each :class:`~lightning_roundpipe.runtime.backends.cpu.CpuBackend`
 keeps a :class:`DeviceMemoryLedger` of the bytes that live on it:
 
-- **weights**: the stage weight pool's slots (``allocate_bytes``), checked *before* they are allocated;
-- **activations** uploaded by ``h2d`` (inputs, incoming gradients), checked before the copy;
+- **the device's pools** (``allocate_bytes``), checked *before* they are allocated: the stage weight
+  slots, the transfer slots the ``h2d`` uploads land in (inputs, incoming gradients) and the fp32
+  gradient accumulators (:mod:`~lightning_roundpipe.runtime.backends.pool`);
 - **everything the device's compute creates**: a ``TorchDispatchMode`` on the compute thread counts
   the storage of every op output (forward, recomputation, autograd's backward, the weight-gradient
   accumulators); this is the sound choice among the two the issue names: torch's CPU allocator has

@@ -5,8 +5,9 @@ driver which buffers the op reads and writes (:class:`Access`). :class:`StreamCh
 GPU race detector does (vector clocks, as in CUDA's compute-sanitizer racecheck and torch's
 ``TORCH_CUDA_SANITIZER``), for every stream the events it has waited on (transitively), and for every
 buffer its last writer, its readers since then and its release. When an op reads a buffer whose
-producer it has not waited for, overwrites one whose last readers it has not waited for, or fills a
-pooled stage buffer whose release (``DROP``) it has not waited for, it raises
+producer it has not waited for, overwrites one whose last readers it has not waited for, fills a
+pooled stage buffer whose release (``DROP``) it has not waited for, or refills a pooled transfer
+buffer before every reader of its previous content has read it and been waited for, it raises
 :class:`StreamCheckError` at once, at issue time, naming the op and the buffer, with the stream
 program's grid and the failing op marked.
 
@@ -66,12 +67,18 @@ class Access:
         releases: ``(buffer key, expected readers)``: the op gives the buffer back (``DROP``); each
             expected reader (an op's string form) must have read it, and every reader must be
             waited for.
+        refills: ``(buffer key, content tag, previous content tag, its readers)``: the op overwrites a
+            pooled transfer buffer (no release op: the program orders the refill after the previous
+            content's readers). The buffer must hold the previous content (``None``: the slot's first
+            use in the program), each of its readers must have read it and been waited for, and so
+            must its writer.
     """
 
     reads: tuple[tuple[Hashable, Any], ...] = ()
     writes: tuple[tuple[Hashable, Any], ...] = ()
     fills: tuple[tuple[Hashable, Any], ...] = ()
     releases: tuple[tuple[Hashable, tuple[str, ...]], ...] = ()
+    refills: tuple[tuple[Hashable, Any, Any, tuple[str, ...]], ...] = ()
 
 
 @dataclass
@@ -163,6 +170,22 @@ class StreamChecker:
         return clock.get(mark.stream, 0) >= mark.count
 
     def _check(self, clock: dict[StreamId, int], me: _Mark, access: Access) -> str | None:
+        for key, tag, previous, expected in access.refills:  # before the reads: name the pool hazard first
+            buffer = self._buffers.get(key)
+            held = None if buffer is None or buffer.writer is None else buffer.tag
+            if held != previous:
+                return (f"refills pooled {_name(key)} with {tag!r} while it holds {held!r}, not {previous!r}"
+                        " (the ops before it in the slot were not waited for)")
+            if buffer is None or buffer.writer is None:
+                continue  # the slot's first use in this program (earlier programs have completed)
+            done = {reader.label for reader in buffer.readers}
+            missing = [label for label in expected if label not in done]
+            if missing:
+                return (f"refills pooled {_name(key)} with {tag!r} before `{missing[0]}` read {buffer.tag!r}"
+                        " (not waited for)")
+            problem = self._overwrite(clock, key, buffer)
+            if problem:
+                return problem.replace("overwrites", "refills pooled").replace(" without", f" ({buffer.tag!r}) without")
         for key, expect in access.reads:
             buffer = self._buffers.get(key)
             if buffer is None or buffer.writer is None:
@@ -213,10 +236,11 @@ class StreamChecker:
     def _apply(self, me: _Mark, access: Access) -> None:
         for key, _ in access.reads:
             self._buffers[key].readers.append(me)
-        for key, tag in tuple(access.writes) + tuple(access.fills):
+        refilled = tuple((key, tag) for key, tag, _, _ in access.refills)
+        for key, tag in tuple(access.writes) + tuple(access.fills) + refilled:
             buffer = self._buffers.setdefault(key, _Buffer())
             fresh_fill = (key, tag) in access.fills and (buffer.released is not None or buffer.writer is None)
-            if (key, tag) in access.writes or fresh_fill:
+            if (key, tag) in access.writes or (key, tag) in refilled or fresh_fill:
                 buffer.readers = []
                 buffer.released = None
             buffer.writer, buffer.tag = me, tag

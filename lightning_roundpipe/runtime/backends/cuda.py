@@ -9,24 +9,33 @@ events, across devices too. The host blocks on an event only where the CPU consu
 host gradient accumulation (``host_wait``) and the end of a program (``synchronize``: loss, outputs
 and input gradients handed back to Lightning).
 
-Stage weight buffers come from the device's pool (:mod:`~lightning_roundpipe.runtime.backends.pool`),
-allocated once and reused along the program's ``DROP`` -> ``LOAD`` edges. Pinned host memory for
-activations comes from torch's caching host allocator (``pin_memory=True``), which reuses a
-block once the copies that used it have completed, so activation buffers are a reused pinned pool
-without a pool of our own. Stream priority alone does not order the copy engine's DMA; the stream
-program's edges do (activations before weights, paper section 3.3). Op times come from CUDA events
-(``enable_timing``) relative to one reference event per program.
+Buffers (:mod:`~lightning_roundpipe.runtime.backends.pool`), the same code path as CPU virtual
+devices: stage weights, upload destinations (activations, incoming gradients) and fp32 gradient
+accumulators come from the device's pools, allocated once and reused along the program's edges, so
+no pooled buffer is ever ``record_stream``-ed and the caching allocator never has to synchronise the
+device to find room. Host staging (download destinations; pageable upload sources, copied first)
+is exact-size page-locked memory (:mod:`~lightning_roundpipe.runtime.host.pinned`), not torch's
+power-of-two pinned cache. What the compute stream itself makes and the ``d2h`` stream downloads
+(boundary outputs, input gradients, fp32 ``view.grad``) stays with the caching allocator of the
+compute stream: the download keeps it referenced until the copy's event has completed
+(:meth:`CudaBackend.release_after`), so its memory goes back to the allocator only when no stream
+uses it (what ``record_stream`` would do, without tying the block to another stream's events). Stream
+priority alone does not order the copy engine's DMA; the stream program's edges do (activations
+before weights, paper section 3.3). Op times come from CUDA events (``enable_timing``) relative to
+one reference event per program.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from typing import Any, Callable
 
 import torch
-from torch.utils import _pytree as pytree
 
-from lightning_roundpipe.runtime.backends.base import Backend, Publish, tree_nbytes
+from lightning_roundpipe.runtime.backends.base import Backend
+from lightning_roundpipe.runtime.host.pinned import is_pinned, pinned_bytes
 
 
 class CudaBackend(Backend):
@@ -56,6 +65,9 @@ class CudaBackend(Backend):
                 "d2h": torch.cuda.Stream(self.device, priority=high),
             }
         self._reference: tuple[torch.cuda.Event, float] | None = None
+        # (event, tensors): compute-stream tensors a d2h copy reads, held until the event completed
+        self._held: collections.deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = collections.deque()
+        self._held_lock = threading.Lock()
         self._start_threads()
 
     def _thread_setup(self, stream: str) -> None:
@@ -69,6 +81,7 @@ class CudaBackend(Backend):
 
     # ------------------------------------------------------------------ ordering
     def launch(self, stream: str, work, access=None, label: str = "", op: Any = None) -> None:
+        self._release_done()
         work()  # on the issuing thread, inside torch.cuda.stream(...): enqueues the op's kernels and copies
 
     def stream_context(self, stream: str):
@@ -87,6 +100,23 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+        with self._held_lock:
+            self._held.clear()
+
+    def release_after(self, tensors: list[torch.Tensor], stream: str) -> None:
+        if not tensors:
+            return
+        event = torch.cuda.Event()
+        event.record(self.streams[stream])
+        with self._held_lock:
+            self._held.append((event, list(tensors)))
+
+    def _release_done(self) -> None:
+        """Drop the held tensors whose copies have completed (events complete in order per stream;
+        a non-blocking ``query``, never a wait)."""
+        with self._held_lock:
+            while self._held and self._held[0][0].query():
+                self._held.popleft()
 
     # ------------------------------------------------------------------ timing
     def begin(self) -> None:
@@ -121,40 +151,25 @@ class CudaBackend(Backend):
         return self._link
 
     # ------------------------------------------------------------------ data
-    def to_device(self, tree: Any, publish: Publish) -> int:
-        compute = self.streams["compute"]
+    def needs_staging(self, tensor: torch.Tensor) -> bool:
+        # cudaMemcpyAsync from pageable memory blocks the issuing thread until the copy is done
+        return tensor.device.type == "cpu" and not (tensor.is_contiguous() and is_pinned(tensor))
 
-        def up(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.device.type == "cpu" and not t.is_pinned():
-                # a copy from pageable memory blocks the issuing thread until it is done; from pinned
-                # memory it is only enqueued (torch's pinned allocator keeps the block until the copy ends)
-                t = t.pin_memory()
-            out = t.to(self.device, non_blocking=True)
-            out.record_stream(compute)
-            return out
+    def copy_h2d(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
+        # destinations are pooled device slots, sources pinned pooled host blocks or shadows: the
+        # program's edges keep both from reuse until this copy has completed (no record_stream)
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
 
-        out = pytree.tree_map(up, tree)
-        publish(out)
-        return tree_nbytes(out)
+    def copy_d2h(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, gradients: bool = False) -> None:
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+        # the sources were made on the compute stream (or are pooled): hold them until the copies
+        # completed instead of record_stream (see the module docstring)
+        self.release_after([src for _, src in pairs if src.device.type == "cuda"], "d2h")
 
-    def to_host(self, tree: Any, publish: Publish) -> int:
-        d2h = self.streams["d2h"]
-
-        def down(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.device.type != "cuda":
-                return t
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            t.record_stream(d2h)
-            return host
-
-        out = pytree.tree_map(down, tree)
-        publish(out)
-        return tree_nbytes(out)
+    def allocate_host_bytes(self, nbytes: int) -> torch.Tensor:
+        return pinned_bytes(nbytes)
 
     def mark(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
@@ -184,37 +199,17 @@ class CudaBackend(Backend):
         usable = free + torch.cuda.memory_reserved(self.device) - others - margin
         return max(0, usable // 2)
 
-    def record_use(self, tensors: list[torch.Tensor], stream: str) -> None:
-        for tensor in tensors:
-            tensor.record_stream(self.streams[stream])
-
-    def allocate_bytes(self, nbytes: int) -> torch.Tensor:
-        # the pool keeps the buffer for the run; reuse is ordered by the DROP -> LOAD events, so no
-        # record_stream (which would keep the block from the allocator until its events completed)
+    def allocate_bytes(self, nbytes: int, what: str | None = None) -> torch.Tensor:
+        # the pool keeps the buffer for the run; reuse is ordered by the program's edges (DROP -> LOAD
+        # for stage slots, reader -> refill for transfer slots), so no record_stream (which would keep
+        # the block from the allocator until its events completed). A slot that grows inside a program
+        # keeps its old buffer until the program has completed (SlotPool.take).
         with torch.cuda.device(self.device):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def copy_chunk(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
         for dst, src in pieces:
             dst.copy_(src, non_blocking=True)
-
-    def grads_to_host(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        d2h = self.streams["d2h"]
-        out: list[torch.Tensor | None] = [None] * len(grads)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, g in enumerate(grads):
-            by_dtype.setdefault(g.dtype, []).append(i)
-        for dtype, indices in by_dtype.items():
-            flat = torch.empty(sum(grads[i].numel() for i in indices), dtype=dtype, pin_memory=True)
-            offset = 0
-            for i in indices:
-                g = grads[i]
-                view = flat[offset:offset + g.numel()]
-                view.copy_(g.reshape(-1), non_blocking=True)
-                g.record_stream(d2h)
-                out[i] = view.view(g.shape)
-                offset += g.numel()
-        return out
 
 
 def measure_links(backends: list, nbytes: int = 64 * 2**20) -> tuple[float, float]:

@@ -6,16 +6,18 @@ makes its stream wait for that op's device event (cross-device too); after the o
 event. A dispatch table maps each op kind to its handler:
 
 - ``LOAD``: chunk ``c`` of the stage's weights from the host shadows into the stage's device buffer;
-- ``H2D`` / ``GH2D``: the input of an ``F``/``X``/``R`` / the incoming gradient of a ``B``, host to device;
+- ``H2D`` / ``GH2D``: the input of an ``F``/``X``/``R`` / the incoming gradient of a ``B``, host to device
+  (into the device's transfer pool; :mod:`~lightning_roundpipe.runtime.execution.transfers`);
 - ``F``: forward without autograd (the inputs of later backward stages are snapshotted as they
   pass, so an in-place op further on cannot change them); ``X``: fused tail (forward, loss,
   backward seeded with ``loss_seed``; never recomputed, logits never leave the device); ``R``:
   recompute with autograd from a clone of the saved stage input (:mod:`~lightning_roundpipe.runtime.execution.carry`);
   ``B``: backward with the incoming gradient; after every ``X``/``B`` the microbatch's weight
   gradients are added into the stage's fp32 accumulator (:mod:`~lightning_roundpipe.runtime.host.grads`);
-- ``D2H``: what ``F``/``X``/``B`` send to the host (boundary activations, the loss, input gradients);
+- ``D2H``: what ``F``/``X``/``B`` send to the host (boundary activations, the loss, input gradients),
+  into host staging blocks;
 - ``WD2H``: the stage's weight gradients (the fp32 accumulator, or ``view.grad`` where the compute
-  dtype is fp32) into a flat host buffer, added into the masters' ``.grad`` by the host thread in
+  dtype is fp32) into one host staging block, added into the masters' ``.grad`` by the host thread in
   backward-stage order (so the result does not depend on timing);
 - ``DROP``: release the stage (after writing BatchNorm-like buffers back for forward stages).
 
@@ -42,11 +44,12 @@ from lightning_roundpipe.adapters.chunked_loss import loss_only
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
 from lightning_roundpipe.runtime.execution.access import op_access, round_of
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
-from lightning_roundpipe.runtime.backends.pool import pool_slots
+from lightning_roundpipe.runtime.backends.pool import HostStagingPool, pool_slots
 from lightning_roundpipe.runtime.execution.carry import diff_leaves, grad_leaves, grad_positions, snapshot
 from lightning_roundpipe.runtime.execution.devices import StreamThread
 from lightning_roundpipe.runtime.execution.errors import ErrorNotes
 from lightning_roundpipe.runtime.execution.replica import LayerReplica
+from lightning_roundpipe.runtime.execution.transfers import TransferOps
 from lightning_roundpipe.runtime.replay.rng import layer_seed, rng_layers, rng_scope  # noqa: F401 (rng_layers: the engine's)
 from lightning_roundpipe.runtime.replay.routing import routing_scope
 from lightning_roundpipe.runtime.execution.run_state import _POLL_S, PipelineState, ProgramRun, _Aborted  # noqa: F401 (PipelineState: the engine's)
@@ -54,7 +57,7 @@ from lightning_roundpipe.runtime.host.store import WeightStore
 from lightning_roundpipe.schedule.lower import plan_dispatches
 from lightning_roundpipe.schedule.program import STREAMS, Op, OpKind, StreamProgram
 
-class Executor:
+class Executor(TransferOps):
     """Runs stream programs of one :class:`LayerSequence` on a fixed set of device backends.
 
     Args:
@@ -75,6 +78,8 @@ class Executor:
         self.host = StreamThread("roundpipe-host-grads")
         self.refresher = StreamThread("roundpipe-host-refresh")
         self.error_notes = ErrorNotes(seq)
+        self.host_pool = HostStagingPool(backends[0].allocate_host_bytes if backends else
+                                         (lambda n: torch.empty(n, dtype=torch.uint8)))
         self.peak_grad_bytes = 0  # most bytes of gradients (.grad and host buffers) at once since the last pop
         self.grads_final_hook: Callable[[range, dict | None], None] | None = None
         """Host thread, after a backward stage's last dispatch of the program added its gradients
@@ -107,6 +112,7 @@ class Executor:
         self.refresher.close()
         for backend in self.backends:
             backend.close()
+        self.host_pool.clear()
 
     # ------------------------------------------------------------------ driver
     def run(self, program: StreamProgram, state: PipelineState) -> Timeline:
@@ -121,7 +127,7 @@ class Executor:
             if op.kind not in self._dispatch:
                 raise NotImplementedError(f"The runtime cannot execute `{op}` ({op.kind.value} ops are simulator-only).")
         stale = self.store.stale_entries()  # raises here, in the main thread, for a parameter unfrozen too late
-        self._reserve_pools(program)
+        self._reserve_pools(program, state.keep)
         checker = self.backends[0].checker if self.backends else None
         if checker is not None:
             checker.reset(program)
@@ -145,12 +151,14 @@ class Executor:
                 job.wait(30)
             for backend in self.backends:
                 backend.synchronize()
+            self._settle_pools(run, ok=False)
             raise
         for backend in self.backends:
             for error in backend.stream_errors():
                 run.fail(error, f"RoundPipe: device {backend.device_index} stream worker")
         if checker is not None:
             checker.reset()  # everything issued has completed
+        self._settle_pools(run, ok=run.error is None)
         if run.error is None:
             with torch.no_grad():
                 for master, host in run.write_backs:  # the stages' buffers, downloaded at their DROPs
@@ -187,20 +195,6 @@ class Executor:
             while not job.wait(_POLL_S):
                 if not all(b.alive for b in self.backends) or not self.host.alive or not self.refresher.alive:
                     run.fail(RuntimeError("a RoundPipe stream thread died"), "RoundPipe: runtime")
-
-    def _reserve_pools(self, program: StreamProgram) -> None:
-        """Before a program is issued: every device's pool has a slot per stage it holds at once,
-        each as large as the program's largest stage (allocated only when that grows)."""
-        slots = pool_slots(program.plan)
-        sizes = {s: self.store.layout(program.plan.stages[s].layers).total_bytes for _, s, _ in slots}
-        largest = max(sizes, key=sizes.get) if sizes else None
-        for backend in self.backends:
-            mine = [slot for (d, _, _), slot in slots.items() if d == backend.device_index]
-            if mine:
-                spec = program.plan.stages[largest]
-                backend.pool_label = (f"the stage weight pool, before any LOAD: {max(mine) + 1} slot(s) of {sizes[largest]}"
-                                      f" bytes for the largest stage, {spec.describe()}")
-                backend.pool.reserve(max(mine) + 1, sizes[largest])
 
     def _start_refresh(self, program: StreamProgram, stale: list[int], run: ProgramRun) -> threading.Event:
         """Copy the stale shadows from their masters on the refresh thread, tensor by tensor in the
@@ -366,9 +360,13 @@ class Executor:
         layout = self.store.layout(spec.layers)
         key = (op.stage_index, op.round_index)
         if op.chunk_index == 0:  # the pool slot the program gives this dispatch (its release was waited for)
-            buffer = backend.pool.buffer(pool_slots(run.plan)[(backend.device_index, *key)])[:layout.total_bytes]
+            slot = pool_slots(run.plan)[(backend.device_index, *key)]
+            buffer = backend.pool.buffer(slot)[:layout.total_bytes]
             backend.poison(buffer)
-            run.resident[key] = self.store.resident(layout, buffer, with_grad=spec.kind == "backward")
+            accumulate = self.store.accumulator_numel(spec.layers) * 4 if spec.kind == "backward" else 0
+            run.resident[key] = self.store.resident(  # the fp32 accumulator of the same slot (reserved)
+                layout, buffer, with_grad=spec.kind == "backward",
+                accumulator_buffer=backend.accumulator_pool.take(slot, accumulate) if accumulate else None)
             run.add_resident(backend.device_index, layout.total_bytes)
         resident = run.resident[key]
         start = op.chunk_index * run.program.chunk_bytes
@@ -376,67 +374,8 @@ class Executor:
         if stop > start:
             backend.copy_chunk(self.store.chunk_pieces(layout, resident.buffer, start, stop), stop - start)
         if stop >= layout.total_bytes:
-            self.store.own_buffers(resident)
-            backend.record_use([view for _, view in resident.buffer_pairs], "compute")  # made here, read there
+            self.store.own_buffers(resident)  # made here, read by compute: released after the DROP (below)
         return max(0, stop - start)
-
-    def _h2d(self, backend: Backend, op: Op, run: ProgramRun) -> int:
-        spec = run.plan.stages[op.stage_index]
-        carry = run.take_input(spec.layers.start, op.microbatch_index)
-        return backend.to_device(carry, lambda t: run.slots.__setitem__(("in", op.stage_index, op.microbatch_index), t))
-
-    def _gh2d(self, backend: Backend, op: Op, run: ProgramRun) -> int:
-        state = run.state
-        spec = run.plan.stages[op.stage_index]
-        m = op.microbatch_index
-        last = spec.layers.stop == len(self.seq.layers)
-        # a boundary without float tensors (say an argmax between layers) carries no gradient:
-        # nothing is published for it, and the stage's backward has nothing to propagate
-        incoming = state.final_grads[m] if last else (state.grads.pop((spec.layers.stop, m), None) or [])
-        return backend.to_device(incoming, lambda t: run.slots.__setitem__(("gin", op.stage_index, m), t))
-
-    def _d2h(self, backend: Backend, op: Op, run: ProgramRun) -> int:
-        state = run.state
-        spec = run.plan.stages[op.stage_index]
-        m = op.microbatch_index
-        kind, payload = run.slots.pop(("out", op.stage_index, m))
-        if kind == "F":
-            def publish(host: Any) -> None:
-                out, saved = host
-                for li, carry in saved.items():
-                    state.acts[(li, m)] = carry
-                if spec.layers.stop == len(self.seq.layers):
-                    state.final[m] = out
-                else:
-                    state.acts[(spec.layers.stop, m)] = out
-        else:
-            def publish(host: Any) -> None:
-                loss, grads = host
-                if grads is not None:
-                    state.grads[(spec.layers.start, m)] = grads
-                if loss is not None:
-                    state.final[m] = {self.seq.loss_key: loss}
-        return backend.to_host(payload, publish)
-
-    def _wd2h(self, backend: Backend, op: Op, run: ProgramRun) -> int:
-        """The stage's weight gradients to the host: ``view.grad`` of fp32 views (autograd summed
-        the microbatches) and the fp32 accumulator of the narrower ones, in one flat download."""
-        resident = run.resident[(op.stage_index, op.round_index)]
-        direct = [(master, view.grad) for master, view in resident.grad_pairs if view.grad is not None]
-        accumulator = resident.accumulator
-        tensors = [g for _, g in direct]
-        if accumulator is not None and accumulator.flat is not None:
-            tensors.append(accumulator.flat)
-        if not tensors:
-            return 0
-        host = backend.grads_to_host(tensors)
-        pairs = [(master, g) for (master, _), g in zip(direct, host)]
-        if accumulator is not None and accumulator.flat is not None:
-            pairs += accumulator.host_pairs(host[-1])
-        run.host_grads[(op.stage_index, op.round_index)] = pairs
-        nbytes = sum(g.numel() * g.element_size() for g in host)
-        run.add_grad_buffer_bytes(sum(g.numel() * g.element_size() for _, g in pairs), self.store.grad_bytes())
-        return nbytes
 
     def _drop(self, backend: Backend, op: Op, run: ProgramRun) -> int:
         resident = run.resident.pop((op.stage_index, op.round_index))
@@ -446,11 +385,14 @@ class Executor:
             # buffers (BatchNorm statistics) go down on this stream into pinned host memory, and reach
             # the masters after the program (no blocking D2H into pageable memory inside the worker)
             masters = [master for master, _ in resident.buffer_pairs]
-            backend.to_host([view for _, view in resident.buffer_pairs],
-                            lambda host: run.write_backs.extend(zip(masters, host)))
+            self._write_back(backend, op, run, resident.buffer_pairs,
+                             lambda host: run.write_backs.extend(zip(masters, host)))
         replicas = self.replicas[backend.device_index]
         for li in spec.layers:  # the replicas must not keep the dropped buffer alive
             replicas[li].unbind(resident.layer_tensors(li))
+        # the buffers' own copies (made on the weights stream, read by compute, downloaded above) go
+        # back to the allocator once this op's stream has passed them (CUDA; no record_stream)
+        backend.release_after([view for _, view in resident.buffer_pairs], "d2h")
         with run._lock:
             run.resident_bytes[backend.device_index] -= resident.nbytes
         return 0

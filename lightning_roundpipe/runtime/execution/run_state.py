@@ -96,6 +96,10 @@ class ProgramRun:
         self.write_backs: list = []  # (master buffer, its downloaded host copy), applied after the program
         self.profile_marks: list = []  # (backend, kind, {layer: (start, end)}, whole backward marks or None)
         self.nbytes: dict[Op, int] = {}
+        # measured bytes of every pooled transfer content (device uploads, host downloads): the pools
+        # are sized from them after the program (Executor._settle_pools)
+        self.device_bytes: dict[tuple, int] = {}
+        self.host_bytes: dict[tuple, int] = {}
         self.resident_bytes = [0] * num_devices
         self.peak_resident_bytes = [0] * num_devices
         # host inputs read by several uploads (a boundary the next forward stage and a backward

@@ -13,10 +13,13 @@ When a view is fp32 already (``32-true``) autograd's own accumulation is exact: 
 download reads ``view.grad`` directly (zero copies, as before). Views wider than 32 bits
 (``64-true``) are never accumulated in a narrower dtype.
 
-CUDA: :meth:`GradAccumulator.add` runs inside the ``B``/``X`` handler, on the ``compute`` stream
-(the buffer is allocated there on first use); ``WD2H`` runs on the ``d2h`` stream after the
-stage's last backward op (an event edge of the stream program) and marks the buffer as used by that
-stream (``record_stream``), so it is not reused before the download completed.
+The fp32 buffer is a slot of the device's accumulator pool (DESIGN.md section 4: allocated once,
+sized to the largest backward stage, one slot per stage weight slot), the slot of the stage's
+weights: :meth:`GradAccumulator.add` zeroes and fills it on the ``compute`` stream inside the
+``B``/``X`` handlers, ``WD2H`` reads it on the ``d2h`` stream after the stage's last backward op,
+and the next stage that takes the slot writes it only after its ``LOAD``, which waits for this
+stage's ``DROP`` (after the ``WD2H`` on the same stream): reuse follows the program's edges, with no
+``record_stream`` and no allocation.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class GradAccumulator:
     Args:
         pairs: ``(master, view)`` of the stage's trainable parameters whose device view has a
             floating-point dtype narrower than fp32 (:func:`needs_fp32_accumulation`).
+        buffer: device memory for the sum (``uint8``, at least :attr:`nbytes`; a pool slot), or
+            ``None`` to allocate it at the first :meth:`add`.
 
     Attributes:
         flat: the fp32 device buffer, ``(sum of numel,)``; ``None`` until the first :meth:`add`.
@@ -52,8 +57,9 @@ class GradAccumulator:
             got none keep ``.grad`` untouched on the host, as with autograd).
     """
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], buffer: torch.Tensor | None = None) -> None:
         self.pairs = pairs
+        self._buffer = buffer
         self.offsets: list[int] = []
         total = 0
         for _, view in pairs:
@@ -77,7 +83,10 @@ class GradAccumulator:
             if grad is None:
                 continue
             if self.flat is None:
-                self.flat = torch.zeros(self.numel, dtype=ACCUMULATE_DTYPE, device=view.device)
+                if self._buffer is None:
+                    self.flat = torch.zeros(self.numel, dtype=ACCUMULATE_DTYPE, device=view.device)
+                else:  # the pool slot (it held an earlier stage's sum)
+                    self.flat = self._buffer[:self.nbytes].view(ACCUMULATE_DTYPE).zero_()
                 self.slices = [self.flat[o:o + v.numel()].view(v.shape) for o, (_, v) in zip(self.offsets, self.pairs)]
             self.slices[k].add_(grad)
             self.touched[k] = True

@@ -1,0 +1,197 @@
+"""The transfer ops' handlers of the executor, over the pooled buffers (DESIGN.md section 4).
+
+:class:`TransferOps` is a part of :class:`~lightning_roundpipe.runtime.execution.executor.Executor`:
+
+- ``H2D`` / ``GH2D``: the host pytree goes into the op's device transfer slot (the program gives
+  it: :func:`~lightning_roundpipe.schedule.buffers.device_slots`); sources the driver cannot
+  upload asynchronously (pageable memory on CUDA: the batch, Lightning's output gradients) are
+  first copied into a pinned staging block keyed by the op's content;
+- ``D2H``: each host content (a boundary, a saved boundary, an input gradient, the loss) goes into
+  its host staging slot when only this program reads it, else into a keyed block
+  (:class:`~lightning_roundpipe.runtime.backends.pool.HostStagingPool`);
+- ``WD2H``: the stage's weight gradients into one keyed block, ``("wgrad", stage_index, round_index)``;
+  the host thread adds it into ``.grad`` (a first gradient becomes ``.grad`` itself: the block is
+  reused once that ``.grad`` is gone);
+- after the program (:meth:`TransferOps._settle_pools`): every device's transfer slot ``k`` and every
+  host slot grow to the largest content measured in them, so the next programs allocate nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from lightning_roundpipe.runtime.backends.base import Backend
+from lightning_roundpipe.runtime.backends.pool import HostStagingPool, pack, packed_nbytes, pool_slots
+from lightning_roundpipe.schedule.buffers import device_slots, host_slots, slot_sizes
+from lightning_roundpipe.runtime.execution.run_state import ProgramRun
+from lightning_roundpipe.schedule.program import Op, StreamProgram
+
+
+class TransferOps:
+    """Handlers of ``H2D``, ``GH2D``, ``D2H`` and ``WD2H``, and the pools' sizing (mixin of the executor:
+    uses ``self.seq``, ``self.store``, ``self.backends`` and ``self.host_pool``)."""
+
+    host_pool: HostStagingPool
+
+    # ------------------------------------------------------------------ pools
+    def _reserve_pools(self, program: StreamProgram, keep: frozenset) -> None:
+        """Before a program is issued: every device's stage pool has a slot per stage it holds at once,
+        each as large as the program's largest stage, and as many fp32 gradient accumulators, each as
+        large as the largest backward stage's (allocated only when that grows); the transfers' slot
+        assignment is made here, on the main thread (cached on the program)."""
+        device_slots(program)
+        host_slots(program, len(self.seq.layers), keep)
+        slots = pool_slots(program.plan)
+        stages = program.plan.stages
+        sizes = {s: self.store.layout(stages[s].layers).total_bytes for _, s, _ in slots}
+        largest = max(sizes, key=sizes.get) if sizes else None
+        accumulate = max((self.store.accumulator_numel(stages[s].layers) * 4 for _, s, _ in slots
+                          if stages[s].kind == "backward"), default=0)
+        count = max(slots.values(), default=-1) + 1  # every device the same (a rotated plan swaps devices)
+        for backend in self.backends:
+            if any(d == backend.device_index for d, _, _ in slots):
+                spec = stages[largest]
+                backend.pool_label = (f"the stage weight pool, before any LOAD: {count} slot(s) of {sizes[largest]}"
+                                      f" bytes for the largest stage, {spec.describe()}")
+                backend.pool.reserve(count, sizes[largest])
+                if accumulate:
+                    backend.accumulator_pool.ensure([accumulate] * count)
+
+    def _settle_pools(self, run: ProgramRun, ok: bool) -> None:
+        """After a program has completed: free the buffers that grew during it and, when it ran, size
+        every device's transfer slot ``k`` and every host staging slot to the largest content
+        measured there (the same sizes on every device: a rotated plan uses the same slots)."""
+        if ok:
+            devices = device_slots(run.program)
+            sizes = slot_sizes(devices, run.device_bytes)
+            for backend in self.backends:
+                backend.transfer_pool.ensure(sizes)
+            hosted, _ = host_slots(run.program, len(self.seq.layers), run.state.keep)
+            self.host_pool.slots.ensure(slot_sizes([hosted], run.host_bytes))
+        for backend in self.backends:
+            backend.transfer_pool.end_program()
+            backend.accumulator_pool.end_program()
+        self.host_pool.end_program()
+
+    def pool_allocations(self) -> dict[str, int]:
+        """Allocations every pool has made since the executor started, summed over devices: ``stage
+        weights``, ``transfers``, ``accumulators`` (device pools) and ``host staging``."""
+        out: dict[str, int] = {}
+        for backend in self.backends:
+            for name, pool in backend.pools.items():
+                out[name] = out.get(name, 0) + pool.allocations
+        out["host staging"] = self.host_pool.allocations
+        return out
+
+    # ------------------------------------------------------------------ uploads
+    def _upload(self, backend: Backend, op: Op, run: ProgramRun, tree: Any, content: tuple) -> int:
+        nbytes = packed_nbytes(tree)
+        run.device_bytes[content] = nbytes
+        buffer = backend.transfer_pool.take(device_slots(run.program)[backend.device_index].slots[content], nbytes)
+
+        def stage(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            pageable = [src for _, src in pairs if backend.needs_staging(src)]
+            if not pageable:
+                return pairs
+            block = self.host_pool.keyed(("upload",) + content, packed_nbytes(pageable))
+            staged, copies = pack(pageable, block)
+            for view, src in copies:  # host memcpy now; the upload itself is asynchronous
+                view.copy_(src)
+            by_source = {id(src): view for src, view in zip(pageable, staged)}
+            return [(dst, by_source.get(id(src), src)) for dst, src in pairs]
+
+        return backend.to_device(tree, lambda t: run.slots.__setitem__(content, t), buffer, stage)
+
+    def _h2d(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        spec = run.plan.stages[op.stage_index]
+        carry = run.take_input(spec.layers.start, op.microbatch_index)
+        return self._upload(backend, op, run, carry, ("in", op.stage_index, op.microbatch_index))
+
+    def _gh2d(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        state = run.state
+        spec = run.plan.stages[op.stage_index]
+        m = op.microbatch_index
+        last = spec.layers.stop == len(self.seq.layers)
+        # a boundary without float tensors (say an argmax between layers) carries no gradient:
+        # nothing is published for it, and the stage's backward has nothing to propagate
+        incoming = state.final_grads[m] if last else (state.grads.pop((spec.layers.stop, m), None) or [])
+        return self._upload(backend, op, run, incoming, ("gin", op.stage_index, m))
+
+    # ------------------------------------------------------------------ downloads
+    def _host_block(self, run: ProgramRun, content: tuple, tree: Any) -> torch.Tensor:
+        """The host staging memory ``content`` is downloaded into: its slot when only this program
+        reads it, else a keyed block."""
+        nbytes = packed_nbytes(tree)
+        hosted, _ = host_slots(run.program, len(self.seq.layers), run.state.keep)
+        slot = hosted.slots.get(content)
+        if slot is None:
+            return self.host_pool.keyed(content, nbytes)
+        run.host_bytes[content] = nbytes
+        return self.host_pool.slots.take(slot, nbytes)
+
+    def _d2h(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        state = run.state
+        spec = run.plan.stages[op.stage_index]
+        m = op.microbatch_index
+        kind, payload = run.slots.pop(("out", op.stage_index, m))
+        if kind == "F":
+            out, saved = payload
+            last = spec.layers.stop == len(self.seq.layers)
+            keys = [("final", m) if last else ("act", spec.layers.stop, m)] + [("act", li, m) for li in saved]
+            trees = [out] + list(saved.values())
+
+            def publish(host: list) -> None:
+                for key, tree in zip(keys, host):
+                    if key[0] == "final":
+                        state.final[m] = tree
+                    else:
+                        state.acts[key[1:]] = tree
+        else:
+            loss, grads = payload
+            keys, trees = [], []
+            if grads is not None:
+                keys.append(("grad", spec.layers.start, m))
+                trees.append(grads)
+            if loss is not None:
+                keys.append(("final", m))
+                trees.append(loss)
+
+            def publish(host: list) -> None:
+                for key, tree in zip(keys, host):
+                    if key[0] == "grad":
+                        state.grads[key[1:]] = tree
+                    else:
+                        state.final[m] = {self.seq.loss_key: tree}
+        parts = [(tree, self._host_block(run, key, tree)) for key, tree in zip(keys, trees)]
+        return backend.to_host(parts, publish)
+
+    def _wd2h(self, backend: Backend, op: Op, run: ProgramRun) -> int:
+        """The stage's weight gradients to the host: ``view.grad`` of fp32 views (autograd summed
+        the microbatches) and the fp32 accumulator of the narrower ones, in one keyed block."""
+        resident = run.resident[(op.stage_index, op.round_index)]
+        direct = [(master, view.grad) for master, view in resident.grad_pairs if view.grad is not None]
+        accumulator = resident.accumulator
+        tensors = [g for _, g in direct]
+        if accumulator is not None and accumulator.flat is not None:
+            tensors.append(accumulator.flat)
+        if not tensors:
+            return 0
+        block = self.host_pool.keyed(("wgrad", op.stage_index, op.round_index), packed_nbytes(tensors))
+        received: list = []
+        nbytes = backend.to_host([(tensors, block)], received.extend, gradients=True)
+        host = received[0]
+        pairs = [(master, g) for (master, _), g in zip(direct, host)]
+        if accumulator is not None and accumulator.flat is not None:
+            pairs += accumulator.host_pairs(host[-1])
+        run.host_grads[(op.stage_index, op.round_index)] = pairs
+        run.add_grad_buffer_bytes(sum(g.numel() * g.element_size() for _, g in pairs), self.store.grad_bytes())
+        return nbytes
+
+    def _write_back(self, backend: Backend, op: Op, run: ProgramRun, pairs: list, publish: Callable) -> None:
+        """At a training forward stage's ``DROP``: its buffers (BatchNorm statistics) to a keyed host
+        block, copied into the masters after the program."""
+        views = [view for _, view in pairs]
+        block = self.host_pool.keyed(("buffers", op.stage_index, op.round_index), packed_nbytes(views))
+        backend.to_host([(views, block)], lambda host: publish(host[0]))
