@@ -41,9 +41,10 @@ def _paper_rows() -> dict[str, dict[str, str]]:
 
 
 def test_presets_have_the_papers_shapes():
-    assert preset_names() == ["qwen3-1.7b", "llama3.1-8b", "qwen3-32b", "qwen3-235b-a22b"]
-    expect = {"qwen3-1.7b": (28, 2048, 1.72e9), "llama3.1-8b": (32, 4096, 8.03e9), "qwen3-32b": (64, 5120, 32.8e9),
-              "qwen3-235b-a22b": (94, 4096, 235.1e9)}
+    assert preset_names() == ["qwen3-1.7b", "llama3.1-8b", "gpt-oss-20b", "qwen3-32b", "qwen3-235b-a22b"]
+    # GPT-OSS-20B: 20.9B per its model card (21B, 3.6B active), 24 layers of width 2880
+    expect = {"qwen3-1.7b": (28, 2048, 1.72e9), "llama3.1-8b": (32, 4096, 8.03e9), "gpt-oss-20b": (24, 2880, 20.91e9),
+              "qwen3-32b": (64, 5120, 32.8e9), "qwen3-235b-a22b": (94, 4096, 235.1e9)}
     for name, (layers, hidden, params) in expect.items():
         shape = ModelShape.from_config(preset_config(name))
         assert (shape.num_hidden_layers, shape.hidden_size) == (layers, hidden)
@@ -59,7 +60,7 @@ def test_unknown_preset_lists_valid_ones():
     assert preset_config("Qwen3-32B")["hidden_size"] == 5120
 
 
-@pytest.mark.parametrize("name", ["qwen3-1.7b", "llama3.1-8b", "qwen3-32b", "qwen3-235b-a22b"])
+@pytest.mark.parametrize("name", ["qwen3-1.7b", "llama3.1-8b", "gpt-oss-20b", "qwen3-32b", "qwen3-235b-a22b"])
 def test_arithmetic_matches_meta_device_model(name):
     """Parameter counts per layer equal those of the real transformers class built on the meta device."""
     cfg = preset_hf_config(name, num_hidden_layers=2)
@@ -109,6 +110,26 @@ def test_moe_counts_active_experts_only():
     cfg = dict(preset_config("qwen3-235b-a22b"), num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
     cfg["num_local_experts"] = cfg.pop("num_experts")
     assert ModelShape.from_config(cfg).moe_layers == (False, True, False, False)
+
+
+def test_sliding_window_layers_attend_within_the_window():
+    """GPT-OSS alternates sliding-window (128 keys) and full causal attention layers: the attention
+    FLOPs of a sliding layer are those of the keys each query sees, counted one query at a time."""
+    shape = ModelShape.from_config(preset_config("gpt-oss-20b"))
+    assert shape.sliding_window == 128 and shape.sliding_layers == (True, False) * 12
+    assert shape.num_experts == 32 and shape.num_experts_per_tok == 4 and all(shape.moe_layers)
+    s, b = 2048, 4
+    costs = CostModel().layer_costs(shape, seq_len=s, microbatch_size=b)
+    sliding, full = costs[1], costs[2]
+    per_key = 2 * 2 * b * shape.num_attention_heads * shape.head_dim  # QK^T and PV, multiply-add
+    keys_sliding = sum(min(p + 1, 128) for p in range(s))
+    keys_causal = sum(p + 1 for p in range(s))
+    assert sliding.forward_attention_flops == pytest.approx(per_key * keys_sliding, rel=0.01)
+    assert full.forward_attention_flops == pytest.approx(per_key * keys_causal, rel=0.01)
+    assert sliding.backward_attention_flops == pytest.approx(2.5 * sliding.forward_attention_flops)
+    # a window as long as the sequence is plain causal attention
+    short = CostModel().layer_costs(shape, seq_len=128, microbatch_size=b)
+    assert short[1].forward_attention_flops == pytest.approx(short[2].forward_attention_flops)
 
 
 def test_lora_trains_tiny_adapters_and_skips_frozen_backward():

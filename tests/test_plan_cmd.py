@@ -78,16 +78,18 @@ def test_report_numbers(qwen32b_report):
 
 def test_longest_sequence_is_the_fit_boundary(qwen32b_report):
     r = qwen32b_report
-    args = parse(ACCEPTANCE[:-4] + ["--seq-len", str(r.max_seq_len), "--microbatch-size", "4"])
+    # (one partitioner's plan: the memory check does not depend on which candidate the simulator picks)
+    args = parse(ACCEPTANCE[:-4] + ["--seq-len", str(r.max_seq_len), "--microbatch-size", "4", "--method", "optimal"])
     plan_cmd.make_report(args)  # fits
-    args = parse(ACCEPTANCE[:-4] + ["--seq-len", str(r.max_seq_len + 1), "--microbatch-size", "4"])
+    args = parse(ACCEPTANCE[:-4] + ["--seq-len", str(r.max_seq_len + 1), "--microbatch-size", "4", "--method", "optimal"])
     with pytest.raises(ValueError, match="over the per-stage memory budget"):
         plan_cmd.make_report(args)
 
 
 def test_lora_and_microbatches(capsys):
-    r = plan_cmd.make_report(parse(["plan", "--preset", "qwen3-235b-a22b", "--lora", "--microbatches", "16"]))
-    assert r.num_microbatches == 16
+    r = plan_cmd.make_report(parse(["plan", "--preset", "qwen3-235b-a22b", "--lora", "--microbatches", "16",
+                                    "--method", "optimal"]))
+    assert r.num_microbatches == 16 and r.num_candidates == 1
     assert sum(s.grad_bytes for s in r.stages) < 0.01 * sum(s.param_bytes for s in r.stages)
     assert r.modelled.shape.num_experts == 128
 
@@ -190,3 +192,56 @@ def test_longest_sequence_at_the_search_bound_says_at_least(tmp_path, monkeypatc
     assert 0 < r.max_seq_len < r.max_seq_len_bound
     text = plan_cmd.format_report(r)
     assert f"fits: {r.max_seq_len:,} tokens" in text and "at least" not in text
+
+
+def test_optimizer_modes_side_by_side(capsys):
+    """`--optimizer` picks the plan the simulator times fastest in that mode (oracle: each candidate
+    simulated directly); both modes' predictions are printed, with the paper's figures."""
+    from lightning_roundpipe.partition import candidate_partitions
+    from lightning_roundpipe.simulate.steady import partition_stages, simulate_training
+
+    argv = ["plan", "--preset", "qwen3-1.7b", "--devices", "4", "--microbatches", "5", "--grid-rows", "4"]
+    reports = {mode: plan_cmd.make_report(parse(argv + ["--optimizer", mode])) for mode in ("sync", "async")}
+    r = reports["sync"]
+    candidates = candidate_partitions(r.modelled.profiles, 4, r.stage_memory_bytes,
+                                      saved_activation_bytes=r.modelled.saved_activation_bytes)
+    assert r.num_candidates == len(candidates) >= 3
+    for mode, report in reports.items():
+        assert report.optimizer == mode and set(report.mode_choices) == {"sync", "async"}
+        direct = [simulate_training(partition_stages(p), 4, 5, r.modelled.profiles, r.hardware, optimizer=mode,
+                                    optimizer_bytes=r.optimizer_bytes).step_s for _, p in candidates]
+        chosen = report.mode_choices[mode]
+        assert chosen.prediction.step_s == pytest.approx(min(direct))
+        assert report.partition == chosen.partition and report.step_s == chosen.prediction.step_s
+        assert report.mode_choices == reports["sync"].mode_choices or mode == "sync"
+    # the optimizer step: trainable fp32 masters and two Adam moments over the default host rate
+    total, trainable = plan_cmd.model_param_counts(r.modelled)
+    assert r.optimizer_bytes == 12 * trainable
+    assert r.optimizer_step_s == pytest.approx(r.optimizer_bytes / r.hardware.optimizer_bytes_per_s)
+    assert main(argv + ["--optimizer", "async"]) == 0
+    out = capsys.readouterr().out
+    assert "[simulator, async optimizer, steady state]" in out
+    rows = [line for line in out.splitlines() if line.startswith(("sync", "async"))]
+    assert [row.split()[0] for row in rows] == ["sync", "async*"]
+    tokens = r.num_microbatches * r.modelled.tokens_per_microbatch
+    for row, mode in zip(rows, ("sync", "async")):
+        choice = reports["async"].mode_choices[mode]
+        assert f"{choice.prediction.tokens_per_s(tokens):,.0f}" in row and f"{choice.prediction.mean_idle_pct:.1f}" in row
+    assert "paper (Qwen3-1.7B, simulated, 8 GPUs x 16 microbatches): idle 19.1 % one iteration, 4.0 % steady state" in out
+    assert "65,417 tokens/s async, 56,489 sync" in out
+
+
+def test_optimizer_rate_flag_moves_the_sync_step_by_the_optimizer_time(capsys):
+    argv = ["plan", "--preset", "qwen3-1.7b", "--devices", "2", "--microbatches", "3"]
+    slow = plan_cmd.make_report(parse(argv + ["--optimizer-gbps", "10"]))
+    fast = plan_cmd.make_report(parse(argv + ["--optimizer-gbps", "1000"]))
+    assert slow.optimizer_step_s == pytest.approx(slow.optimizer_bytes / 10e9)
+    # sync: the step is the pipeline plus the optimizer step (the same plan wins: the step adds to every candidate)
+    assert slow.partition == fast.partition
+    assert slow.step_s - fast.step_s == pytest.approx(slow.optimizer_bytes / 10e9 - fast.optimizer_bytes / 1000e9)
+    assert main(argv + ["--optimizer-gbps", "0"]) == 2
+    assert "`--optimizer-gbps` must be a finite number > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(argv + ["--optimizer", "adam"])
+    assert main(argv + ["--accumulate-grad-batches", "0"]) == 2
+    assert "`--accumulate-grad-batches` must be an int >= 1" in capsys.readouterr().err

@@ -9,17 +9,25 @@ Prints the stage table (layers, bytes, seconds per microbatch, forward and backw
 device-by-step grid of the round-robin plan, predicted tokens/s, per-device idle %, peak device
 memory and the longest sequence that fits. No weights are allocated: layer costs come from
 :mod:`lightning_roundpipe.partition.costmodel` (arithmetic on the config), times of the whole step
-from :mod:`lightning_roundpipe.simulate` (steady state with the runtime's weight dependency: a step's
-weight uploads wait for the previous step's gradients, so fill and drain are not hidden).
+from :mod:`lightning_roundpipe.simulate.steady` in the run's own optimizer mode (DESIGN.md section
+11): ``--optimizer sync`` is one pipeline with fill and drain plus the host's optimizer step,
+``--optimizer async`` the steady state with one-step-stale weights, where the next step's forward
+stages fill this step's drain and the optimizer step overlaps. The partition is the candidate
+(:func:`~lightning_roundpipe.partition.candidates.candidate_partitions`, each with one round or
+rounds of D microbatches) the simulator times fastest in that mode; both modes' predictions are
+printed side by side, with the paper's figures for its models.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from typing import Callable, Sequence
 
+from lightning_roundpipe.partition.candidates import candidate_partitions
 from lightning_roundpipe.partition.costmodel import CostModel, LoRASpec, ModelledProfiles, ModelShape, model_profiles
 from lightning_roundpipe.partition.partitioner import (
     METHODS,
@@ -30,7 +38,13 @@ from lightning_roundpipe.partition.partitioner import (
     schedule_ranges,
 )
 from lightning_roundpipe.partition.presets import canonical_preset_name, preset_config, preset_names
-from lightning_roundpipe.partition.profile import HardwareModel
+from lightning_roundpipe.partition.profile import (
+    ADAM_COUNTED_BYTES_PER_PARAM,
+    ADAM_HOST_TRAFFIC_BYTES_PER_PARAM,
+    DEFAULT_HOST_MEMORY_BYTES_PER_S,
+    HardwareModel,
+    optimizer_step_bytes,
+)
 from lightning_roundpipe.partition.seqlen import largest_fitting
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages
@@ -42,6 +56,10 @@ MAX_SEQ_LEN_SEARCHED = 1 << 22
 MAX_DEVICES = 64
 #: Bytes of a compute dtype ``--dtype-bytes`` accepts: 1 (fp8), 2 (bf16/fp16), 4 (fp32).
 DTYPE_BYTES = (1, 2, 4)
+#: Optimizer modes, in the order their predictions are printed.
+MODES = ("sync", "async")
+#: ``--method`` values: ``auto`` (the simulator's choice among the candidates) or one partitioner method.
+METHOD_CHOICES = ("auto",) + tuple(METHODS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +97,21 @@ class PlanReport:
     """The per-stage memory budget used, bytes."""
     max_seq_len_bound: int = MAX_SEQ_LEN_SEARCHED
     """Upper bound of the longest-sequence search: ``max_seq_len`` equal to it means "at least"."""
+    optimizer: str = "sync"
+    """The run's optimizer mode (``--optimizer``): the plan above is the one chosen for it."""
+    mode_choices: dict = dc_field(default_factory=dict)
+    """Per mode (``"sync"``, ``"async"``), the :class:`~lightning_roundpipe.simulate.steady.ModeChoice`
+    the simulator made (empty when the simulator is unavailable)."""
+    num_candidates: int = 1
+    """Candidate partitions the simulator judged."""
+    optimizer_bytes: int = 0
+    """Bytes one optimizer step touches: the trainable fp32 masters and their two Adam moments."""
+    optimizer_step_s: float = 0.0
+    """Seconds of one optimizer step on the host (``optimizer_bytes`` over the host's optimizer rate)."""
+    accumulate_grad_batches: int = 1
+    """Batches per optimizer step (``--accumulate-grad-batches``); ``step_s`` is per batch."""
+    microbatches_per_round: int | None = None
+    """The microbatch rounds of the plan above (``None``: one round)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -116,7 +149,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
     p.add_argument("--dtype-bytes", type=int, default=2, choices=DTYPE_BYTES,
                    help="bytes of the compute dtype: 1 (fp8), 2 (bf16/fp16) or 4 (fp32); default 2")
-    p.add_argument("--method", choices=METHODS, default="optimal", help="partitioner (default optimal)")
+    p.add_argument("--method", choices=METHOD_CHOICES, default="auto",
+                   help="partition: `auto` (default), the candidate the simulator times fastest in the run's"
+                        " optimizer mode; or one partitioner method's partition")
+    p.add_argument("--optimizer", choices=MODES, default="sync",
+                   help="the run's optimizer mode (RoundPipeStrategy(optimizer=...)): `sync` (default; a step is one"
+                        " pipeline plus the host's optimizer step) or `async` (the paper's steady state, weights one step"
+                        " stale); the plan is chosen for it, both modes' predictions are printed")
+    p.add_argument("--optimizer-gbps", type=float, default=None,
+                   help="host optimizer rate: GB/s of fp32 master weights and Adam moments (12 bytes per trainable"
+                        " parameter) one optimizer step gets through (default"
+                        f" {DEFAULT_HOST_MEMORY_BYTES_PER_S / 1e9:.0f} GB/s of host memory bandwidth x"
+                        f" {ADAM_COUNTED_BYTES_PER_PARAM}/{ADAM_HOST_TRAFFIC_BYTES_PER_PARAM} bytes counted per byte"
+                        " moved; a run measures it: `roundpipe/optimizer(s)`)")
+    p.add_argument("--accumulate-grad-batches", type=int, default=1,
+                   help="batches per optimizer step (default 1); the prediction is per batch")
     p.add_argument("--grid-rows", type=int, default=40, help="grid rows shown before truncating (0: all; default 40)")
     p.add_argument("--full-table", action="store_true", help="one row per stage (default: alike neighbours share a row)")
     p.set_defaults(func=run)
@@ -147,13 +194,24 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         raise ValueError(f"`--microbatches` must be >= 1, got {args.microbatches}.")
     if not 0 < args.efficiency <= 1:
         raise ValueError(f"`--efficiency` must be in (0, 1], got {args.efficiency}.")
+    optimizer = getattr(args, "optimizer", "sync")
+    if optimizer not in MODES:
+        raise ValueError(f"`--optimizer` must be one of {list(MODES)}, got {optimizer!r}.")
+    accumulate = getattr(args, "accumulate_grad_batches", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"`--accumulate-grad-batches` must be an int >= 1, got {accumulate!r}.")
+    method = getattr(args, "method", "auto")
+    if method not in METHOD_CHOICES:
+        raise ValueError(f"`--method` must be one of {list(METHOD_CHOICES)}, got {method!r}.")
     if args.preset is not None:
         key = canonical_preset_name(args.preset)
         shape = ModelShape.from_config(preset_config(key))
     else:
         shape = ModelShape.load(args.model)
+    optimizer_gbps = getattr(args, "optimizer_gbps", None)
     for flag, value in (("--tflops", args.tflops), ("--h2d-gbps", args.h2d_gbps), ("--d2h-gbps", args.d2h_gbps),
-                        ("--duplex-h2d-gbps", args.duplex_h2d_gbps), ("--device-memory-gib", args.device_memory_gib)):
+                        ("--duplex-h2d-gbps", args.duplex_h2d_gbps), ("--device-memory-gib", args.device_memory_gib),
+                        ("--optimizer-gbps", optimizer_gbps)):
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"`{flag}` must be a finite number > 0, got {value}. HINT: see `roundpipe plan --help`"
                              " for each flag's default (an RTX 4090 on PCIe 4.0 x16).")
@@ -167,6 +225,7 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         d2h_bytes_per_s=(args.d2h_gbps or args.h2d_gbps) * gbps,
         h2d_duplex_bytes_per_s=None if args.duplex_h2d_gbps is None else args.duplex_h2d_gbps * gbps,
         memory_bytes=int(args.device_memory_gib * GiB),
+        host_optimizer_bytes_per_s=None if optimizer_gbps is None else optimizer_gbps * gbps,
     )
     cm = CostModel(gemm_efficiency=args.efficiency)
     lora = LoRASpec(rank=args.lora_rank) if args.lora else None
@@ -181,14 +240,30 @@ def make_report(args: argparse.Namespace) -> PlanReport:
                               lora=lora, cost_model=cm)
 
     mp = modelled(args.seq_len, args.microbatch_size)
-    part = auto_partition(mp.profiles, D, budget, args.method, saved_activation_bytes=mp.saved_activation_bytes)
+    if method == "auto":
+        candidates = candidate_partitions(mp.profiles, D, budget, saved_activation_bytes=mp.saved_activation_bytes)
+    else:
+        candidates = [(method, auto_partition(mp.profiles, D, budget, method,
+                                              saved_activation_bytes=mp.saved_activation_bytes))]
+    optimizer_bytes = optimizer_step_bytes(model_param_counts(mp)[1])
+    choices = choose_modes(candidates, mp, hw, D, M, optimizer_bytes, accumulate)
+    chosen = choices.get(optimizer)
+    part = candidates[0][1] if chosen is None else chosen.partition
+    per_round = None if chosen is None else chosen.microbatches_per_round
     stages = tuple(describe_stages(part, mp.profiles, mp.saved_activation_bytes, mp.shared_weights))
     fwd, bwd = schedule_ranges(part)
-    eplan = build_roundpipe_plan(build_stages(fwd, bwd, fused_tail=True), D, M)
-    step_s, idle, predictor = _predict(eplan, mp, hw)
+    eplan = build_roundpipe_plan(build_stages(fwd, bwd, fused_tail=True), D, M, microbatches_per_round=per_round)
+    if chosen is None:
+        step_s, idle, predictor = _predict(eplan, mp, hw)
+    else:
+        step_s, idle = chosen.prediction.step_s, chosen.prediction.idle_pct
+        predictor = f"simulator, {optimizer} optimizer" + (", steady state" if optimizer == "async" else "")
     return PlanReport(
         modelled=mp, hardware=hw, num_devices=D, num_microbatches=M, partition=part, stages=stages,
         execution_plan=eplan, step_s=step_s, idle_pct=idle, predictor=predictor,
+        optimizer=optimizer, mode_choices=choices, num_candidates=len(candidates), optimizer_bytes=optimizer_bytes,
+        optimizer_step_s=optimizer_bytes / hw.optimizer_bytes_per_s, accumulate_grad_batches=accumulate,
+        microbatches_per_round=per_round,
         peak_device_memory_bytes=peak_device_memory(stages, D),
         max_seq_len=longest_sequence(lambda s: modelled(s, args.microbatch_size), budget),
         max_seq_len_mb1=longest_sequence(lambda s: modelled(s, 1), budget),
@@ -224,18 +299,27 @@ def longest_sequence(modelled: Callable[[int], ModelledProfiles], stage_memory_b
     return largest_fitting(fits, MAX_SEQ_LEN_SEARCHED)
 
 
-def _predict(plan: ExecutionPlan, mp: ModelledProfiles, hw: HardwareModel) -> tuple[float, tuple[float, ...], str]:
-    """Step seconds and per-device idle % from the simulator in steady state with the weight
-    dependency the runtime has (``weight_staleness=0``: a step's uploads wait for the previous
-    step's gradients; only weight prefetch crosses the step boundary); falls back to a
-    compute-only list-order walk (transfers free, one step with fill and drain) if it is unavailable."""
+def choose_modes(candidates: Sequence[tuple[str, PartitionPlan]], mp: ModelledProfiles, hw: HardwareModel,
+                 num_devices: int, num_microbatches: int, optimizer_bytes: int,
+                 accumulate_grad_batches: int = 1) -> dict:
+    """Per optimizer mode, the candidate (each with one round or, when ``M > D > 1``, rounds of D
+    microbatches, as the paper's artifact runs) the simulator times fastest in that mode
+    (:func:`~lightning_roundpipe.simulate.steady.choose_for_mode`); ``{}`` when the simulator is
+    unavailable."""
     try:
-        from lightning_roundpipe.simulate.engine import simulate
+        importlib.import_module("lightning_roundpipe.simulate.engine")  # the event simulator itself
+        from lightning_roundpipe.simulate.steady import choose_for_mode
     except ImportError:
-        simulate = None
-    if simulate is not None:
-        res = simulate(plan, mp.profiles, hw, steady_state=True, weight_staleness=0)
-        return float(res.iteration_s), tuple(float(x) for x in res.idle_pct), "simulator, steady state"
+        return {}
+    rounds = [None] + ([num_devices] if num_microbatches > num_devices > 1 else [])
+    return {mode: choose_for_mode(candidates, mp.profiles, hw, num_devices, num_microbatches, optimizer=mode,
+                                  optimizer_bytes=optimizer_bytes, round_options=rounds,
+                                  accumulate_grad_batches=accumulate_grad_batches) for mode in MODES}
+
+
+def _predict(plan: ExecutionPlan, mp: ModelledProfiles, hw: HardwareModel) -> tuple[float, tuple[float, ...], str]:
+    """Step seconds and per-device idle % of a compute-only list-order walk (transfers free, one
+    step with fill and drain, no optimizer step): the fallback when the simulator is unavailable."""
     from lightning_roundpipe.schedule import walk_in_order
 
     cost = {}
@@ -266,7 +350,7 @@ def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) 
         f" peak (GEMM efficiency {_num(mp.cost_model.gemm_efficiency)}), H2D {_num(hw.h2d_bytes_per_s / 1e9)} GB/s,"
         f" D2H {_num(hw.d2h_bytes_per_s / 1e9)} GB/s; per-stage memory budget {_num(r.stage_memory_bytes / GiB)} GiB",
         f"partition: {nf} forward + {nb} backward stages (incl. the fused tail) = {len(r.stages)} stages;"
-        f" objective max(S, D) x W = {r.partition.objective_s:.3f} s",
+        f" objective max(S, D) x W = {r.partition.objective_s:.3f} s" + _choice_note(r),
         "",
         _stage_table(r, full_table),
         "",
@@ -276,6 +360,7 @@ def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) 
         f"predicted step: {r.step_s:.3f} s  ->  {r.tokens_per_s:,.0f} tokens/s  [{r.predictor}]",
         "idle per device (%): " + "  ".join(f"dev{d} {x:.1f}" for d, x in enumerate(r.idle_pct))
         + f"   (mean {sum(r.idle_pct) / len(r.idle_pct):.1f})",
+        *_mode_table(r),
         f"peak device memory: {r.peak_device_memory_bytes / GiB:.2f} GiB of {_num(hw.memory_bytes / GiB)} GiB"
         " (a stage + the prefetched weights of the device's next stage)",
         f"longest sequence that fits: {_tokens(r.max_seq_len, r.max_seq_len_bound)} at microbatch size"
@@ -288,6 +373,61 @@ def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) 
         lines.append("WARNING: the peak exceeds the device memory (a stage plus the next stage's prefetched weights);"
                      " HINT: lower `--stage-memory-gib` (default: half the device memory).")
     return "\n".join(lines)
+
+
+def _choice_note(r: PlanReport) -> str:
+    chosen = r.mode_choices.get(r.optimizer)
+    if chosen is None:
+        return ""
+    rounds = "" if r.microbatches_per_round is None else f", rounds of {r.microbatches_per_round} microbatches"
+    return (f"; `{chosen.label}`{rounds}, the fastest in the simulator for the {r.optimizer} optimizer of"
+            f" {r.num_candidates} candidate partition(s)")
+
+
+def paper_model_name(mp: ModelledProfiles) -> str:
+    """The paper's column name for the model (``"Qwen3-235B-A22B-LoRA"`` for the LoRA run)."""
+    return mp.shape.name + ("-LoRA" if mp.lora is not None else "")
+
+
+def _mode_table(r: PlanReport) -> list[str]:
+    """Both modes' predictions side by side, the optimizer step, and the paper's figures for the model."""
+    if not r.mode_choices:
+        return []
+    tokens = r.num_microbatches * r.modelled.tokens_per_microbatch
+    rate = r.hardware.optimizer_bytes_per_s
+    source = ("--optimizer-gbps" if r.hardware.host_optimizer_bytes_per_s is not None else
+              f"default: {DEFAULT_HOST_MEMORY_BYTES_PER_S / 1e9:.0f} GB/s host memory x"
+              f" {ADAM_COUNTED_BYTES_PER_PARAM}/{ADAM_HOST_TRAFFIC_BYTES_PER_PARAM}")
+    accumulate = f", every {r.accumulate_grad_batches} batches" if r.accumulate_grad_batches > 1 else ""
+    lines = ["", f"optimizer step on the host: {r.optimizer_bytes / 1e9:.3g} GB of fp32 masters and Adam moments at"
+                 f" {rate / 1e9:.3g} GB/s ({source}) = {r.optimizer_step_s:.3f} s{accumulate}",
+             f"{'mode':<8} {'plan for the mode':<34} {'step s':>8} {'tokens/s':>10} {'mean idle %':>12}"]
+    for mode in MODES:
+        choice = r.mode_choices[mode]
+        rounds = "one round" if choice.microbatches_per_round is None else f"rounds of {choice.microbatches_per_round}"
+        label = "" if choice.label.endswith("stages") else f" ({choice.label})"
+        plan = f"{_stages_of(choice.partition)} stages{label}, {rounds}"
+        mark = "*" if mode == r.optimizer else " "
+        lines.append(f"{mode + mark:<8} {plan:<34} {choice.prediction.step_s:>8.3f}"
+                     f" {choice.prediction.tokens_per_s(tokens):>10,.0f} {choice.prediction.mean_idle_pct:>12.1f}")
+    lines.append("  (* the plan shown above; sync: one pipeline with fill and drain + the optimizer step; async: steady"
+                 " state, the next step's forward stages fill this step's drain, weights one step stale)")
+    try:
+        from lightning_roundpipe.simulate.paper_data import paper_reference
+    except ImportError:
+        return lines
+    ref = paper_reference(paper_model_name(r.modelled))
+    if "steady_idle_pct" in ref:
+        lines.append(f"paper ({paper_model_name(r.modelled)}, simulated, 8 GPUs x 16 microbatches): idle"
+                     f" {ref['one_iteration_idle_pct']:.1f} % one iteration, {ref['steady_idle_pct']:.1f} % steady state")
+    if "async_tokens_per_s" in ref:
+        lines.append(f"paper (measured, 8x RTX 4090, 16 x 4 x 2048 tokens): {ref['async_tokens_per_s']:,.0f} tokens/s"
+                     f" async, {ref.get('sync_tokens_per_s', float('nan')):,.0f} sync")
+    return lines
+
+
+def _stages_of(partition: PartitionPlan) -> int:
+    return len(partition.forward_stages) + len(partition.backward_stages) - 1
 
 
 def model_param_counts(mp: ModelledProfiles) -> tuple[int, int]:

@@ -27,8 +27,11 @@ LayerKind = Literal["prefix", "decoder", "tail"]
 
 #: ``model_type`` s whose config the arithmetic understands (llama-style layout: q/k/v/o projections,
 #: gated MLP or MoE experts, RMSNorm). Others are tried with the same keys.
-KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+KNOWN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+#: GPT-OSS: bias on the output projection too, a learned sink logit per head, biases on the router
+#: and on every expert's projections.
+_GPT_OSS_TYPES = ("gpt_oss",)
 _LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -68,6 +71,16 @@ class ModelShape:
     """Width of one expert's gated MLP, elements."""
     moe_layers: tuple[bool, ...] = ()
     """Per decoder layer, whether its MLP is the MoE block (empty: all dense)."""
+    attention_output_bias: bool = False
+    """A bias on the attention's output projection too (GPT-OSS)."""
+    attention_sinks: bool = False
+    """A learned sink logit per attention head (GPT-OSS)."""
+    expert_bias: bool = False
+    """Biases on the router and on every expert's projections (GPT-OSS)."""
+    sliding_window: int = 0
+    """Keys a sliding-window attention layer sees per query, tokens (0: none)."""
+    sliding_layers: tuple[bool, ...] = ()
+    """Per decoder layer, whether it attends within ``sliding_window`` only (``layer_types``)."""
 
     @property
     def num_layers(self) -> int:
@@ -129,6 +142,9 @@ class ModelShape:
             moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
             if moe_inter <= 0:
                 raise ValueError(f"MoE config of model_type `{model_type}` lacks `moe_intermediate_size`.")
+        sliding = tuple(str(t) == "sliding_attention" for t in (cfg.get("layer_types") or ())[:layers])
+        window = int(cfg.get("sliding_window") or 0) if any(sliding) else 0
+        gpt_oss = model_type in _GPT_OSS_TYPES
         return cls(
             name=name or str(cfg.get("_name_or_path") or model_type),
             model_type=model_type,
@@ -146,6 +162,11 @@ class ModelShape:
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             moe_intermediate_size=moe_inter,
             moe_layers=moe_layers,
+            attention_output_bias=gpt_oss and bool(cfg.get("attention_bias", True)),
+            attention_sinks=gpt_oss,
+            expert_bias=gpt_oss and experts > 0,
+            sliding_window=window,
+            sliding_layers=sliding if window else (),
         )
 
     @classmethod
@@ -336,15 +357,21 @@ class CostModel:
 
         # -- decoder layers
         proj = {"q_proj": (h, nh * hd), "k_proj": (h, nkv * hd), "v_proj": (h, nkv * hd), "o_proj": (nh * hd, h)}
-        attn_params = sum(i * o for i, o in proj.values()) + (nh + 2 * nkv) * hd * shape.attention_bias
+        attn_params = (sum(i * o for i, o in proj.values()) + (nh + 2 * nkv) * hd * shape.attention_bias
+                       + h * shape.attention_output_bias + nh * shape.attention_sinks)
         norm_params = 2 * h + (2 * hd if shape.qk_norm else 0)
         attn_core = 2 * 2 * b * nh * s * s * hd * (0.5 if self.causal_attention else 1.0)
+        window = min(shape.sliding_window, s)
+        # a sliding-window layer: query p sees min(p + 1, w) keys, about s w - w^2 / 2 in all (s^2 / 2 for w = s)
+        sliding_core = 2 * 2 * b * nh * hd * (s * window - window * window / 2)
         for i in range(shape.num_hidden_layers):
             moe = shape.is_moe_layer(i)
             targets = dict(proj)
+            layer_attn_core = sliding_core if shape.sliding_layers and shape.sliding_layers[i] else attn_core
             if moe:
                 E, k, Im = shape.num_experts, shape.num_experts_per_tok, shape.moe_intermediate_size
                 mlp_params = E * h + E * 3 * h * Im  # router + experts
+                mlp_params += (E + E * (2 * Im + h)) * shape.expert_bias  # router bias, expert biases
                 dense_active = attn_params + E * h
                 expert_active = k * 3 * h * Im
                 mlp_elems_per_tok = k * (3 * Im + 4 * h) + 2 * E  # SwiGLU per routed copy, gather/scatter, routing
@@ -367,10 +394,10 @@ class CostModel:
                 trainable_param_count=adapters if frozen else params,
                 forward_gemm_flops=2.0 * T * (dense_active + adapters),
                 forward_expert_flops=2.0 * T * expert_active,
-                forward_attention_flops=attn_core,
+                forward_attention_flops=layer_attn_core,
                 backward_gemm_flops=2.0 * T * (grad_mult * dense_active + 2 * adapters),
                 backward_expert_flops=grad_mult * 2.0 * T * expert_active,
-                backward_attention_flops=2.5 * attn_core,
+                backward_attention_flops=2.5 * layer_attn_core,
                 forward_elementwise_bytes=float(T * elems_per_tok * B),
                 activation_bytes=T * h * B,
                 saved_activation_bytes=int(saved),

@@ -59,6 +59,39 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    # openai/gpt-oss-20b's config.json (the MoE experts are stored in MXFP4 there; fine-tuning, as the
+    # paper's run, holds them in the compute dtype like every other weight)
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "attention_bias": True,
+        "hidden_act": "silu",
+        "swiglu_limit": 7.0,
+        "max_position_embeddings": 131072,
+        "initial_context_length": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "router_aux_loss_coef": 0.9,
+        "output_router_logits": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
     "qwen3-32b": {
         **_QWEN3_COMMON,
         "hidden_size": 5120,
@@ -91,12 +124,13 @@ _ALIASES = {
     "qwen3-1.7b": "qwen3-1.7b", "qwen3_1.7b": "qwen3-1.7b",
     "llama3.1-8b": "llama3.1-8b", "llama-3.1-8b": "llama3.1-8b", "meta-llama-3.1-8b": "llama3.1-8b",
     "qwen3-32b": "qwen3-32b",
+    "gpt-oss-20b": "gpt-oss-20b", "gpt_oss_20b": "gpt-oss-20b", "openai/gpt-oss-20b": "gpt-oss-20b",
     "qwen3-235b-a22b": "qwen3-235b-a22b", "qwen3-235b-a22b-lora": "qwen3-235b-a22b", "qwen3-235b": "qwen3-235b-a22b",
 }
 
 #: Display names (the paper's spelling, also the column names of the CSVs in ``lightning_roundpipe/simulate/data``).
 DISPLAY_NAMES = {
-    "qwen3-1.7b": "Qwen3-1.7B", "llama3.1-8b": "Llama3.1-8B", "qwen3-32b": "Qwen3-32B",
+    "qwen3-1.7b": "Qwen3-1.7B", "llama3.1-8b": "Llama3.1-8B", "gpt-oss-20b": "GPT-OSS-20B", "qwen3-32b": "Qwen3-32B",
     "qwen3-235b-a22b": "Qwen3-235B-A22B",
 }
 
@@ -139,7 +173,8 @@ def preset_hf_config(name: str, **overrides: Any):
 
     Args:
         name: a preset name (see :func:`preset_names`).
-        **overrides: config fields to change, e.g. ``num_hidden_layers=2`` for a cheap meta-device check.
+        **overrides: config fields to change, e.g. ``num_hidden_layers=2`` for a cheap meta-device check
+            (a per-layer ``layer_types`` list follows the new layer count, keeping its pattern).
 
     Raises:
         ValueError: for an unknown name.
@@ -148,6 +183,10 @@ def preset_hf_config(name: str, **overrides: Any):
 
     cfg = preset_config(name)
     cfg.update(overrides)
+    layers = cfg["num_hidden_layers"]
+    if "layer_types" in cfg and "layer_types" not in overrides and len(cfg["layer_types"]) != layers:
+        pattern = cfg["layer_types"]  # a shorter (or longer) model keeps the per-layer pattern
+        cfg["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
     model_type = cfg.pop("model_type")
     for k in ("architectures", "torch_dtype", "_name_or_path"):
         cfg.pop(k, None)

@@ -67,6 +67,39 @@ class SharedWeight:
         return max(0, sum(1 for i in set(self.layers) if i in stage) - 1)
 
 
+#: Host memory bandwidth assumed for planning without a run, bytes/s: a dual-socket server with 8
+#: channels of DDR4-3200 per socket has a theoretical peak of 2 x 8 x 25.6 GB/s = 409.6 GB/s; an
+#: optimizer pass streaming over tens of GB across both NUMA nodes sustains about half of it.
+#: (The RoundPipe paper does not name its host; this is the class of server an 8x RTX 4090 box is.)
+DEFAULT_HOST_MEMORY_BYTES_PER_S = 200e9
+#: Bytes of host memory traffic per trainable parameter of one fp32 Adam step as the runtime runs it:
+#: read the master, its gradient and both moments (16), write the master and both moments (12),
+#: then refresh the compute copy (read the fp32 master 4, write a 16-bit copy 2).
+ADAM_HOST_TRAFFIC_BYTES_PER_PARAM = 34
+#: Bytes :func:`optimizer_step_bytes` counts per trainable parameter of fp32 Adam: the master and
+#: its two moments, ``4 x (1 + 2)``.
+ADAM_COUNTED_BYTES_PER_PARAM = 12
+#: Default :attr:`HardwareModel.host_optimizer_bytes_per_s`: the counted bytes (master + state)
+#: per second that :data:`DEFAULT_HOST_MEMORY_BYTES_PER_S` sustains, ``200e9 x 12 / 34`` (about
+#: 70.6 GB/s; an 8B-parameter model's step takes about 1.4 s).
+DEFAULT_HOST_OPTIMIZER_BYTES_PER_S = (DEFAULT_HOST_MEMORY_BYTES_PER_S * ADAM_COUNTED_BYTES_PER_PARAM
+                                      / ADAM_HOST_TRAFFIC_BYTES_PER_PARAM)
+
+
+def optimizer_step_bytes(trainable_params: int, master_bytes: int = 4, states: int = 2) -> int:
+    """Bytes one optimizer step touches as :attr:`HardwareModel.host_optimizer_bytes_per_s` counts
+    them: the trainable master weights and their optimizer state, ``trainable_params x master_bytes
+    x (1 + states)`` (fp32 Adam: 12 bytes per parameter).
+
+    Raises:
+        ValueError: a negative count or a non-positive ``master_bytes``.
+    """
+    if trainable_params < 0 or master_bytes < 1 or states < 0:
+        raise ValueError(f"`trainable_params` and `states` must be >= 0 and `master_bytes` >= 1, got"
+                         f" {trainable_params!r}, {states!r}, {master_bytes!r}.")
+    return int(trainable_params) * int(master_bytes) * (1 + int(states))
+
+
 @dataclass(frozen=True, kw_only=True)
 class HardwareModel:
     """One device and its link to host memory.
@@ -78,6 +111,10 @@ class HardwareModel:
         h2d_duplex_bytes_per_s: host-to-device bandwidth while downloads run at the same time, bytes/s
             (PCIe 4.0 on the paper's servers: 11-16 GB/s); defaults to ``h2d_bytes_per_s``.
         memory_bytes: device memory usable for weights and activations, bytes.
+        host_optimizer_bytes_per_s: the host's optimizer rate: bytes of trainable master weights
+            and optimizer state (:func:`optimizer_step_bytes`) one optimizer step gets through per
+            second, clipping and the compute-copy refresh included; measured by the runtime during
+            the profiled steps; ``None``: :data:`DEFAULT_HOST_OPTIMIZER_BYTES_PER_S`.
     """
 
     flops_per_s: float
@@ -85,12 +122,23 @@ class HardwareModel:
     d2h_bytes_per_s: float
     h2d_duplex_bytes_per_s: float | None = None
     memory_bytes: int = 24 * 2**30
+    host_optimizer_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("flops_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s", "memory_bytes"):
             v = getattr(self, field_name)
             if not v > 0:
                 raise ValueError(f"`HardwareModel.{field_name}` must be > 0, got {v!r}.")
+        rate = self.host_optimizer_bytes_per_s
+        if rate is not None and not 0 < rate < float("inf"):
+            raise ValueError(f"`HardwareModel.host_optimizer_bytes_per_s` must be a finite number > 0 or None"
+                             f" (bytes/s), got {rate!r}.")
+
+    @property
+    def optimizer_bytes_per_s(self) -> float:
+        """:attr:`host_optimizer_bytes_per_s`, or the documented default."""
+        rate = self.host_optimizer_bytes_per_s
+        return DEFAULT_HOST_OPTIMIZER_BYTES_PER_S if rate is None else rate
 
     @property
     def duplex_h2d_bytes_per_s(self) -> float:

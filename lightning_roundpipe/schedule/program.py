@@ -61,7 +61,7 @@ class OpKind(str, enum.Enum):
 
     @property
     def per_microbatch(self) -> bool:
-        return self not in (OpKind.LOAD, OpKind.WD2H, OpKind.DROP)
+        return self not in _PER_STAGE
 
 
 _STREAM_OF = {
@@ -69,6 +69,7 @@ _STREAM_OF = {
     OpKind.F: "compute", OpKind.X: "compute", OpKind.R: "compute", OpKind.B: "compute", OpKind.W: "compute",
     OpKind.D2H: "d2h", OpKind.WD2H: "d2h", OpKind.DROP: "d2h",
 }
+_PER_STAGE = frozenset((OpKind.LOAD, OpKind.WD2H, OpKind.DROP))
 _OP_RE = re.compile(r"^(\d+)(LOAD|GH2D|H2D|WD2H|D2H|DROP|F|X|R|B|W)(\d*)(?:\.c(\d+))?(?:@(\d+))?$")
 
 
@@ -94,10 +95,13 @@ class Op:
     nbytes: int | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", OpKind(self.kind))
-        if self.kind.per_microbatch != (self.microbatch_index is not None):
-            raise ValueError(f"`{self.kind.value}` ops {'need' if self.kind.per_microbatch else 'take no'} `microbatch_index`.")
-        if (self.kind is OpKind.LOAD) != (self.chunk_index is not None):
+        kind = self.kind
+        if kind.__class__ is not OpKind:  # (the lowering passes OpKind members: no enum lookup then)
+            kind = OpKind(kind)
+            object.__setattr__(self, "kind", kind)
+        if (kind not in _PER_STAGE) != (self.microbatch_index is not None):
+            raise ValueError(f"`{kind.value}` ops {'need' if kind.per_microbatch else 'take no'} `microbatch_index`.")
+        if (kind is OpKind.LOAD) != (self.chunk_index is not None):
             raise ValueError("`chunk_index` is given exactly for `LOAD` ops.")
 
     @property

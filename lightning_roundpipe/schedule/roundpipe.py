@@ -4,10 +4,13 @@ Stages are ordered forward stages first (in layer order), then backward stages (
 the tail first). Stage ``k`` of that order runs on device ``(cursor + k) mod D``; a device runs its
 stage for every microbatch before it takes its next stage. No stage is bound to a device (no weight
 binding), so the cursor carries over between calls: the next plan starts where this one stopped.
+:func:`build_steady_state_plan` builds K consecutive iterations as one plan (the steady state,
+DESIGN.md section 11), with the rotation continuing from one iteration to the next.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from lightning_roundpipe.schedule.ir import Action, ActionKind
@@ -79,9 +82,8 @@ def build_roundpipe_plan(
             microbatches ``r * P .. r * P + P - 1``, stage ``k`` of round ``r`` on device
             ``(cursor + r * S + k) mod D`` (``S`` stages), so the rotation simply continues and the
             next round starts on the first device to become free. ``None``: one round of all
-            ``M`` (every stage is loaded once per step). ``K`` training steps back to back without
-            an optimizer barrier are the same plan with ``K * M`` microbatches in rounds of ``M``
-            (or fewer).
+            ``M`` (every stage is loaded once per step). ``K`` training steps back to back are
+            :func:`build_steady_state_plan`.
 
     Returns:
         A validated :class:`ExecutionPlan`; ``plan_next_cursor(plan)`` gives the cursor for the next call.
@@ -90,6 +92,157 @@ def build_roundpipe_plan(
         ValueError: for ``num_devices``, ``num_microbatches`` or ``microbatches_per_round`` below 1,
             or an empty ``stages``.
     """
+    _check_builder_args(stages, num_devices, num_microbatches, microbatches_per_round)
+    per_round = microbatches_per_round or num_microbatches
+    rounds = [range(first, min(first + per_round, num_microbatches)) for first in range(0, num_microbatches, per_round)]
+    actions, slot = _round_robin(stages, num_devices, rounds, cursor, prefetch)
+    plan = ExecutionPlan(tuple(stages), actions, num_microbatches, max_resident_stages=2 if prefetch else 1)
+    plan._meta["next_cursor"] = slot % num_devices
+    plan._meta["cursor"] = cursor % num_devices
+    plan._meta["builder"] = dict(stages=tuple(stages), num_devices=num_devices, num_microbatches=num_microbatches,
+                                 cursor=cursor, prefetch=prefetch, microbatches_per_round=microbatches_per_round)
+    return plan.validate()
+
+
+#: Optimizer modes of a steady-state plan (``RoundPipeStrategy(optimizer=...)``).
+OPTIMIZER_MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """How the iterations of a steady-state plan (:func:`build_steady_state_plan`) relate: pure data,
+    in ``plan._meta["steady_state"]``.
+
+    An *iteration* is one training batch (one forward call of ``M`` microbatches); an optimizer
+    *step* applies the gradients of ``accumulate_grad_batches`` consecutive iterations (a window).
+    Iteration ``k``'s local microbatch ``m`` is the plan's microbatch ``k * M + m``.
+
+    Attributes:
+        num_iterations: iterations ``K`` in the plan (>= 1).
+        microbatches_per_iteration: ``M`` (>= 1).
+        optimizer: ``"sync"`` (Lightning's exact semantics: the iterations of window ``w + 1``
+            upload weights, and start at all, only after optimizer step ``w``) or ``"async"`` (the
+            paper's one-step-stale weights, section 4: window ``w + 1`` needs only optimizer step
+            ``w - 1``, so its forward stages run while window ``w`` drains and step ``w`` runs on
+            the host).
+        accumulate_grad_batches: iterations per optimizer step (>= 1); inside a window the
+            weights do not change, so iteration ``i + 1``'s forward stages may run during
+            iteration ``i``'s backward stages in either mode.
+    """
+
+    num_iterations: int
+    microbatches_per_iteration: int
+    optimizer: str = "async"
+    accumulate_grad_batches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_iterations", "microbatches_per_iteration", "accumulate_grad_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        if self.optimizer not in OPTIMIZER_MODES:
+            raise ValueError(f"`optimizer` must be one of {list(OPTIMIZER_MODES)}, got {self.optimizer!r}. HINT: 'sync'"
+                             " drains before every optimizer step; 'async' uses one-step-stale weights.")
+
+    @property
+    def weight_staleness(self) -> int:
+        """Optimizer steps the weights a window uploads may lag behind: 0 (sync) or 1 (async)."""
+        return 1 if self.optimizer == "async" else 0
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps in the plan: one per complete window."""
+        return self.num_iterations // self.accumulate_grad_batches
+
+    def iteration_of(self, microbatch_index: int) -> int:
+        """The iteration a plan microbatch belongs to."""
+        return microbatch_index // self.microbatches_per_iteration
+
+    def local_microbatch(self, microbatch_index: int) -> int:
+        """The microbatch's index inside its iteration (``0..M-1``)."""
+        return microbatch_index % self.microbatches_per_iteration
+
+    def step_of(self, iteration: int) -> int:
+        """The optimizer step (window) whose gradients ``iteration`` contributes to."""
+        return iteration // self.accumulate_grad_batches
+
+    def iterations_of_step(self, step_index: int) -> range:
+        """The iterations whose gradients optimizer step ``step_index`` applies."""
+        return range(step_index * self.accumulate_grad_batches, (step_index + 1) * self.accumulate_grad_batches)
+
+    def weights_after_step(self, iteration: int) -> int | None:
+        """The optimizer step whose result ``iteration`` uploads (its weight uploads wait for that
+        step): ``step_of(iteration) - 1 - weight_staleness``; ``None`` for the first windows."""
+        step = self.step_of(iteration) - 1 - self.weight_staleness
+        return step if step >= 0 else None
+
+
+def build_steady_state_plan(
+    stages: Sequence[StageSpec],
+    num_devices: int,
+    num_microbatches: int,
+    num_iterations: int,
+    *,
+    optimizer: str = "async",
+    accumulate_grad_batches: int = 1,
+    cursor: int = 0,
+    prefetch: bool = True,
+    microbatches_per_round: int | None = None,
+    validate: bool = True,
+) -> ExecutionPlan:
+    """``num_iterations`` consecutive training iterations as one round-robin plan (DESIGN.md
+    section 11; paper section 4).
+
+    The same stages run every iteration (one stage spec each, shared). Iteration ``k`` runs the
+    plan's microbatches ``k * M .. k * M + M - 1`` (:meth:`SteadyState.iteration_of`) in its own
+    rounds of ``microbatches_per_round`` (a round never holds two iterations), and the rotation
+    continues: iteration ``k + 1``'s first forward stage goes to the device after iteration
+    ``k``'s last dispatch, so on each device's list it follows that device's last stage of
+    iteration ``k``; its forward stages fill the devices iteration ``k``'s drain leaves idle as far
+    as the weights allow. The plan itself holds only data dependencies (per microbatch); which
+    optimizer step an iteration's weight uploads wait for is the mode's rule
+    (:class:`SteadyState`, in ``plan._meta["steady_state"]``), which
+    :func:`~lightning_roundpipe.schedule.steady.lower_steady_state` turns into ``OPT`` ops and edges.
+
+    Args:
+        stages: from :func:`build_stages`, in plan order.
+        num_devices: devices ``D`` (>= 1).
+        num_microbatches: microbatches ``M`` per iteration (>= 1).
+        num_iterations: iterations ``K`` (>= 1).
+        optimizer: ``"sync"`` or ``"async"`` (see :class:`SteadyState`).
+        accumulate_grad_batches: iterations per optimizer step (>= 1).
+        cursor: device of iteration 0's stage 0.
+        prefetch: as :func:`build_roundpipe_plan`.
+        microbatches_per_round: rounds of at most this many microbatches inside each iteration
+            (``None``: one round per iteration).
+        validate: run :meth:`ExecutionPlan.validate` (the simulator's hot path skips it; the
+            builder's plans are validated by the tests for every shape it builds).
+
+    Returns:
+        An :class:`ExecutionPlan` of ``K * M`` microbatches (validated unless ``validate=False``);
+        ``plan._meta["steady_state"]``
+        is its :class:`SteadyState`, ``plan_next_cursor(plan)`` the cursor after iteration ``K - 1``.
+
+    Raises:
+        ValueError: as :func:`build_roundpipe_plan`, or a bad ``num_iterations``, ``optimizer`` or
+            ``accumulate_grad_batches``.
+    """
+    spec = SteadyState(num_iterations, num_microbatches, optimizer, accumulate_grad_batches)
+    _check_builder_args(stages, num_devices, num_microbatches, microbatches_per_round)
+    per_round = microbatches_per_round or num_microbatches
+    rounds = [range(k * num_microbatches + first, k * num_microbatches + min(first + per_round, num_microbatches))
+              for k in range(num_iterations) for first in range(0, num_microbatches, per_round)]
+    actions, slot = _round_robin(stages, num_devices, rounds, cursor, prefetch)
+    plan = ExecutionPlan(tuple(stages), actions, num_iterations * num_microbatches, max_resident_stages=2 if prefetch else 1)
+    plan._meta.update(next_cursor=slot % num_devices, cursor=cursor % num_devices, steady_state=spec,
+                      builder=dict(stages=tuple(stages), num_devices=num_devices, num_microbatches=num_microbatches,
+                                   cursor=cursor, prefetch=prefetch, microbatches_per_round=microbatches_per_round,
+                                   num_iterations=num_iterations))
+    return plan.validate() if validate else plan
+
+
+def _check_builder_args(stages: Sequence[StageSpec], num_devices: int, num_microbatches: int,
+                        microbatches_per_round: int | None) -> None:
     if not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"`num_devices` must be a positive int, got {num_devices!r}.")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -99,12 +252,16 @@ def build_roundpipe_plan(
         raise ValueError(f"`microbatches_per_round` must be a positive int or None (one round), got {microbatches_per_round!r}.")
     if not stages:
         raise ValueError("`stages` is empty: a plan needs at least one stage.")
-    per_round = microbatches_per_round or num_microbatches
+
+
+def _round_robin(stages: Sequence[StageSpec], num_devices: int, rounds: Sequence[range], cursor: int,
+                 prefetch: bool) -> tuple[tuple[tuple[Action, ...], ...], int]:
+    """Per-device action lists of the round robin over ``rounds`` (each: every stage on those
+    microbatches), and the slot after the last dispatch (``next_cursor`` before ``mod D``)."""
     # dispatches in execution order: (stage, microbatches of its round), device of each
     per_device: list[list[tuple[StageSpec, range]]] = [[] for _ in range(num_devices)]
     slot = cursor
-    for first in range(0, num_microbatches, per_round):
-        mbs = range(first, min(first + per_round, num_microbatches))
+    for mbs in rounds:
         for spec in stages:
             per_device[slot % num_devices].append((spec, mbs))
             slot += 1
@@ -123,12 +280,7 @@ def build_roundpipe_plan(
             acts.extend(Action(spec.stage_index, spec.compute_kind, m) for m in mbs)
             acts.append(Action(spec.stage_index, ActionKind.DROP))
         actions.append(tuple(acts))
-    plan = ExecutionPlan(tuple(stages), tuple(actions), num_microbatches, max_resident_stages=2 if prefetch else 1)
-    plan._meta["next_cursor"] = slot % num_devices
-    plan._meta["cursor"] = cursor % num_devices
-    plan._meta["builder"] = dict(stages=tuple(stages), num_devices=num_devices, num_microbatches=num_microbatches,
-                                 cursor=cursor, prefetch=prefetch, microbatches_per_round=microbatches_per_round)
-    return plan.validate()
+    return tuple(actions), slot
 
 
 def plan_next_cursor(plan: ExecutionPlan) -> int:

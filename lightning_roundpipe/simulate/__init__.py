@@ -5,6 +5,9 @@
   :class:`~lightning_roundpipe.metrics.Timeline`.
 - :func:`simulate_program`: time a :class:`~lightning_roundpipe.schedule.program.StreamProgram`
   (the lists the runtime executes) directly.
+- :func:`simulate_training` (:mod:`lightning_roundpipe.simulate.steady`): the run's own optimizer
+  mode, K iterations plus the host's ``OPT`` op per optimizer step (DESIGN.md section 11);
+  :func:`choose_for_mode` picks the fastest candidate partition in a mode.
 - Baseline plans with weight binding (GPipe, 1F1B, interleaved 1F1B, looped BFS, ZB-H1), re-exported
   from :mod:`lightning_roundpipe.schedule.baselines`.
 - :mod:`lightning_roundpipe.simulate.table`: the paper's bubble table from a layer-timings CSV
@@ -27,6 +30,14 @@ from lightning_roundpipe.schedule.baselines import (
 )
 from lightning_roundpipe.simulate.engine import SimulationResult, simulate, simulate_program
 from lightning_roundpipe.simulate.paper_data import PAPER_DATA_DIR, PAPER_DATA_FILES, paper_data_path
+from lightning_roundpipe.simulate.steady import (
+    ModeChoice,
+    TrainingPrediction,
+    choose_for_mode,
+    optimizer_step_s,
+    simulate_steady_program,
+    simulate_training,
+)
 from lightning_roundpipe.simulate.table import (
     SCHEDULES,
     ModelTimings,
@@ -43,4 +54,5 @@ __all__ = [
     "bubble_table", "build_1f1b_plan", "build_baseline_plan", "build_gpipe_plan", "build_interleaved_1f1b_plan",
     "build_looped_bfs_plan", "build_schedule_plan", "build_zb_h1_plan", "format_table", "layer_profiles",
     "megatron_stage_layers", "paper_data_path", "read_layer_timings", "simulate", "simulate_program", "simulate_schedule",
+    "ModeChoice", "TrainingPrediction", "choose_for_mode", "optimizer_step_s", "simulate_steady_program", "simulate_training",
 ]

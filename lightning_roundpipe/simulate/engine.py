@@ -44,7 +44,7 @@ from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES, RECOMPUTE_MODES, lower, plan_dispatches
 from lightning_roundpipe.schedule.plan import ExecutionPlan
 from lightning_roundpipe.schedule.program import STREAMS, Op, OpKind, StreamProgram
-from lightning_roundpipe.schedule.roundpipe import build_roundpipe_plan
+from lightning_roundpipe.schedule.roundpipe import build_steady_state_plan
 
 __all__ = ["SimulationResult", "simulate", "simulate_program"]
 
@@ -564,9 +564,9 @@ def simulate(
             " one iteration (`steady_state=False`)."
         )
     per_iteration = builder["num_microbatches"]
-    long_plan = build_roundpipe_plan(
-        builder["stages"], builder["num_devices"], steady_iterations * per_iteration, builder["cursor"],
-        builder["prefetch"], microbatches_per_round=builder["microbatches_per_round"] or per_iteration)
+    long_plan = build_steady_state_plan(  # the runtime's builder; rounds never span two iterations
+        builder["stages"], builder["num_devices"], per_iteration, steady_iterations, cursor=builder["cursor"],
+        prefetch=builder["prefetch"], microbatches_per_round=builder["microbatches_per_round"])
     if isinstance(weight_staleness, bool) or not isinstance(weight_staleness, int) or weight_staleness < 0:
         raise ValueError(f"`weight_staleness` must be an int >= 0 (optimizer steps), got {weight_staleness!r}."
                          " HINT: 1 for the paper's asynchronous optimizer, 0 for the synchronous one.")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["PAPER_DATA_DIR", "PAPER_DATA_FILES", "paper_data_path"]
+__all__ = ["PAPER_DATA_DIR", "PAPER_DATA_FILES", "paper_data_path", "paper_reference"]
 
 #: Folder of the packaged reference files.
 PAPER_DATA_DIR: Path = Path(__file__).resolve().parent / "data"
@@ -52,3 +52,37 @@ def paper_data_path(name: str = "paper_layer_timings_4090.csv") -> Path:
             " (`pip install -e .`); the files are package data of `lightning_roundpipe.simulate`."
         )
     return path
+
+
+def _csv_rows(name: str) -> list[list[str]]:
+    text = paper_data_path(name).read_text(encoding="utf-8")
+    return [[cell.strip() for cell in line.split(",")] for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def paper_reference(model: str) -> dict[str, float]:
+    """The paper's figures for one of its models (8x RTX 4090, 16 microbatches of 4 x 2048 tokens).
+
+    Args:
+        model: the paper's column name (``"Qwen3-1.7B"``, ``"Llama3.1-8B"``, ``"GPT-OSS-20B"``,
+            ``"Qwen3-32B"``, ``"Qwen3-235B-A22B-LoRA"``); case is ignored.
+
+    Returns:
+        What is known of ``one_iteration_idle_pct`` and ``steady_idle_pct`` (the paper's simulated
+        idle of RoundPipe, percent) and ``async_tokens_per_s`` / ``sync_tokens_per_s`` (its measured
+        RoundPipe and RoundPipe-sync-optimizer throughput); empty for a model the paper has not.
+    """
+    out: dict[str, float] = {}
+    wanted = {("paper_simulated_bubbles.csv", "roundpipe_one_iteration"): "one_iteration_idle_pct",
+              ("paper_simulated_bubbles.csv", "roundpipe_steady"): "steady_idle_pct",
+              ("paper_throughput_8x4090.csv", "roundpipe"): "async_tokens_per_s",
+              ("paper_throughput_8x4090.csv", "roundpipe_sync_optimizer"): "sync_tokens_per_s"}
+    for (name, row_name), key in wanted.items():
+        header, *rows = _csv_rows(name)
+        columns = [c.lower() for c in header]
+        if model.lower() not in columns:
+            continue
+        column = columns.index(model.lower())
+        for row in rows:
+            if row[0] == row_name and column < len(row) and row[column]:
+                out[key] = float(row[column])
+    return out
