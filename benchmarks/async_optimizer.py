@@ -78,7 +78,7 @@ class Clock(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx >= self.warmup:
-            metrics = trainer.callback_metrics
+            metrics = getattr(trainer.strategy, "step_metrics", {})  # the previous step's (the strategy's callback runs after this one)
             if "roundpipe/pipeline(s)" in metrics:
                 self.pipeline_s.append(float(metrics["roundpipe/pipeline(s)"]))
             if "roundpipe/optimizer(s)" in metrics:

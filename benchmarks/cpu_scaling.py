@@ -88,7 +88,7 @@ class StepTimes(L.Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:
         self.times.append(time.perf_counter() - self._t)
-        self.logged.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("roundpipe/")})
+        self.logged.append({k: float(v) for k, v in getattr(trainer.strategy, "step_metrics", {}).items() if k.startswith("roundpipe/")})
 
 
 def run(args: argparse.Namespace, strategy, devices: int, checkpointing: bool = False) -> StepTimes:

@@ -78,7 +78,7 @@ def run_one(args: argparse.Namespace, rows: int, result: str) -> None:
 
         def on_train_batch_end(self, trainer, *a) -> None:
             self.steps.append(time.perf_counter() - self._t)
-            m = trainer.callback_metrics
+            m = getattr(trainer.strategy, "step_metrics", {})  # the previous step's (the strategy's callback runs after this one)
             if "roundpipe/allreduce(s)" in m:
                 self.allreduce.append(float(m["roundpipe/allreduce(s)"]))
                 self.bytes = float(m["roundpipe/allreduce(bytes)"])

@@ -228,7 +228,7 @@ class RoundPipeConfig:
     """``int >= 0`` or ``None``, training batches; default 50. Write a Chrome/Perfetto trace and a timeline
     PNG (measured step beside the simulator's) of one training batch every this many batches, counted from
     the first batch after the profiled steps, into ``<trainer.log_dir>/roundpipe/`` and to W&B
-    (``docs/usage.md``, *Traces*); ``0`` or ``None``: off."""
+    (``docs/usage.md``, *Traces*); none without a logger that has a folder; ``0`` or ``None``: off."""
 
     peak_flops: float | None = None
     """``float > 0`` or ``None``, FLOP/s of one device in the compute dtype (dense); default ``None``:

@@ -56,7 +56,7 @@ def info(t: L.Trainer) -> dict:
             "node_rank": t.node_rank, "num_nodes": t.num_nodes, "env": type(t.strategy.cluster_environment).__name__,
             "sampler_replicas": sampler.num_replicas if isinstance(sampler, DistributedSampler) else None,
             "sampler_kwargs": t.strategy.distributed_sampler_kwargs,
-            "metric_keys": sorted(k for k in t.callback_metrics if k.startswith("roundpipe/")),
+            "metric_keys": sorted(k for k in t.strategy.step_metrics if k.startswith("roundpipe/")),
             "launched": next(c.launched for c in t.callbacks if isinstance(c, Launched))}
 
 

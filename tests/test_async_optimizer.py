@@ -261,7 +261,7 @@ def test_validation_mid_fit_sees_current_weights():
     assert len(recorder.seen) == STEPS
     for seen, (weights, _) in zip(recorder.seen, steps):
         assert max_diff(seen, weights) <= TOL
-    metrics = t.callback_metrics  # the last step's: it waited for step 3's update (0.2 s of sleep)
+    metrics = t.strategy.step_metrics  # the last step's: it waited for step 3's update (0.2 s of sleep)
     assert float(metrics["roundpipe/optimizer_thread(s)"]) >= 0.2
     assert float(metrics["roundpipe/optimizer_wait(s)"]) > 0.0
     assert len(module.val_outputs) == 2

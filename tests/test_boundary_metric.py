@@ -26,7 +26,7 @@ def test_boundary_bytes_are_logged(fused):
     strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, fused_loss=fused, partition="default")
     t = trainer(strategy, devices=2, max_steps=2)
     t.fit(module, loader(TokenData(n=14), batch_size=7))
-    logged = float(t.callback_metrics[KEY])
+    logged = float(t.strategy.step_metrics[KEY])
     want = expected_bytes([3, 2, 2])  # 7 rows cut into 3 microbatches
     print(f"fused={fused}: {logged:.1f} bytes per microbatch per boundary (formula {want:.1f})")
     assert logged == pytest.approx(want, rel=0, abs=1e-6)

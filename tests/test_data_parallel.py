@@ -146,8 +146,8 @@ def test_single_process_ranks_and_keys():
     t.fit(module, loader(VectorData(n=7)))
     assert (t.num_devices, t.world_size, t.global_rank, t.num_nodes) == (3, 1, 0, 1)
     assert not dist.is_initialized()
-    assert "roundpipe/device2/bubble(%)" in t.callback_metrics
-    assert not any("node" in k or "allreduce" in k for k in t.callback_metrics)
+    assert "roundpipe/device2/bubble(%)" in t.strategy.step_metrics
+    assert not any("node" in k or "allreduce" in k for k in t.strategy.step_metrics)
 
 
 def _resume_fit(strategy, max_steps, ckpt_path=None, save_dir=None):

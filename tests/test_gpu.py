@@ -200,4 +200,4 @@ def test_cuda_step_trace_and_mfu(tmp_path):
     assert [p.name for p in traces] == ["trace_step000003.json"]
     check_trace(json.loads(traces[0].read_text()), num_devices=len(_devices()))
     if any(fragment in torch.cuda.get_device_name(0) for fragment in PEAK_FLOPS):
-        assert 0 < float(t.callback_metrics["roundpipe/mfu(%)"]) < 100
+        assert 0 < float(t.strategy.step_metrics["roundpipe/mfu(%)"]) < 100

@@ -95,7 +95,7 @@ def test_lora_bf16_mixed_frozen_base_holds_only_its_bf16_copy():
                 wd2h=sum(i.nbytes for tl in timelines for i in tl.intervals if "WD2H" in i.label),
                 wd2h_formula=sum(4 * p.numel() for s in stages if s.kind == "backward" for i in s.layers
                                  for p in layers[i].parameters() if p.requires_grad),
-                memory=memory, logged=float(trainer.callback_metrics["roundpipe/host_memory(GiB)"]),
+                memory=memory, logged=float(self.last_metrics["roundpipe/host_memory(GiB)"]),
                 trainable_numel=sum(p.numel() for p in trainable.values()), trainable_tensors=len(trainable),
                 frozen_matmul_numel=sum(p.numel() for p in frozen.values() if id(p) in matmul)))
 

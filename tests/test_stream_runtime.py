@@ -33,7 +33,7 @@ class Timelines(lightning_roundpipe.RoundPipeMetricsCallback):
         timelines = list(engine._timelines)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self.timelines.append(timelines)
-        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("roundpipe/")})
+        self.metrics.append({k: float(v) for k, v in self.last_metrics.items() if k.startswith("roundpipe/")})
 
 
 def _mlp_fit(strategy, devices=2, **kw):

@@ -99,7 +99,7 @@ class _Steps(lightning_roundpipe.RoundPipeMetricsCallback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        row = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("roundpipe/")}
+        row = {k: float(v) for k, v in self.last_metrics.items() if k.startswith("roundpipe/")}
         row["global_step"] = trainer.global_step
         self.rows.append(row)
 
@@ -170,7 +170,7 @@ def test_tokens_per_s_mfu_and_the_progress_bar(tmp_path):
         assert row["roundpipe/mfu(%)"] == pytest.approx(100 * tokens * per_token / (step_s * 2 * peak), rel=1e-6)
         # recomputation adds at most one more forward (2N + 4LdT per token) of every layer
         assert row["roundpipe/mfu(%)"] < row["roundpipe/hfu(%)"] <= row["roundpipe/mfu(%)"] * 4 / 3
-    assert {"roundpipe/tokens_per_s", "roundpipe/bubble(%)"} <= set(t.progress_bar_metrics)
+    assert {"roundpipe/tokens_per_s", "roundpipe/bubble(%)"} <= set(t.strategy.step_metrics)
 
 
 def test_samples_per_s_without_input_ids_and_no_mfu_on_cpu(tmp_path):
@@ -181,7 +181,7 @@ def test_samples_per_s_without_input_ids_and_no_mfu_on_cpu(tmp_path):
     for row in steps.rows:
         assert row["roundpipe/samples_per_s"] * row["roundpipe/step(s)"] == pytest.approx(7)
         assert "roundpipe/tokens_per_s" not in row and "roundpipe/mfu(%)" not in row
-    assert "roundpipe/samples_per_s" in t.progress_bar_metrics
+    assert "roundpipe/samples_per_s" in t.strategy.step_metrics
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "50"])

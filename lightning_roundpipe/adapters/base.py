@@ -48,7 +48,8 @@ class LayerSequence:
             enters the outputs (:class:`RoutingSpec`); ``None`` for dense models.
         host_call: ``host_call(args, kwargs) -> bool``: whether this call must run the model's own
             forward, un-pipelined on the host (a KV cache, hidden states...: what ``prepare`` cannot
-            pipeline); ``None``: every call is pipelined.
+            pipeline); ``None``: every call is pipelined. It raises ``ValueError`` for a call that can
+            run neither way (the HF adapter: extra keys; unpipelined arguments with gradients).
         derived: the entries the layers rebuild from the carry instead of carrying them
             (:class:`DerivedCarry`: attention masks, rotary tables); ``None`` when there are none.
         boundary_bytes: ``boundary_bytes(kwargs, dtype, num_microbatches=1) -> int``: bytes one stage
@@ -56,6 +57,9 @@ class LayerSequence:
             arguments (the model's own, ``input_ids`` of shape ``(batch, seq)``...) and hidden states
             of ``dtype`` (the compute dtype): what crosses each hop device -> host -> device and what
             the host saves there; ``None``: not known for this adapter.
+        restore: ``restore()`` undoes what building the sequence changed on the model (the HF
+            adapter turns Hugging Face gradient checkpointing off); the strategy calls it when it
+            tears down; ``None``: nothing to undo.
     """
 
     target: nn.Module
@@ -72,6 +76,7 @@ class LayerSequence:
     host_call: Callable[[tuple, dict], bool] | None = None
     derived: "DerivedCarry | None" = None
     boundary_bytes: Callable[..., int] | None = None
+    restore: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -243,3 +248,46 @@ def module_uses_rng(module: nn.Module) -> bool:
 
 def is_float_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def compiled_modules(root: nn.Module, target: nn.Module) -> list[str]:
+    """Names in ``root`` (``""``: ``root`` itself) of the compiled modules around or inside ``target``:
+    a ``torch.compile(module)`` wrapper (``OptimizedModule``), a module compiled in place
+    (``module.compile()``) or one whose ``forward`` is a compiled function
+    (``module.forward = torch.compile(module.forward)``), on the way from ``root`` down to
+    ``target`` or among ``target``'s submodules."""
+    inside = {id(m) for m in target.modules()}
+    path = next((n for n, m in root.named_modules() if m is target), None)
+    parts = path.split(".") if path else []
+    above = {".".join(parts[:i]) for i in range(len(parts))} if path is not None else set()
+    found = []
+    for name, module in root.named_modules():
+        related = id(module) in inside or name in above
+        state = module.__dict__
+        compiled = ((type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules)
+                    or state.get("_compiled_call_impl") is not None
+                    or hasattr(state.get("forward"), "_torchdynamo_orig_callable"))
+        if related and compiled:
+            found.append(name)
+    return found
+
+
+def check_not_compiled(root: nn.Module, target: nn.Module) -> None:
+    """Refuse a compiled ``target`` (:func:`compiled_modules`): RoundPipe runs the layers of the
+    module it pipelines itself, on per-device replicas.
+
+    Raises:
+        ValueError: naming the compiled modules, with a HINT.
+    """
+    found = compiled_modules(root, target)
+    if found:
+        names = ", ".join(f"`{n}`" if n else f"the `{type(root).__name__}` itself" for n in found[:4])
+        names += f" and {len(found) - 4} more" if len(found) > 4 else ""
+        raise ValueError(
+            f"RoundPipe cannot pipeline a compiled model: {names} {'is' if len(found) == 1 else 'are'} compiled"
+            " (`torch.compile(module)`, `module.compile()` or a compiled `forward`). RoundPipe runs the model's layers"
+            " itself, one stage at a time on each device's copy of them: a compiled call around the model would trace"
+            " the pipeline's threads and queues (an internal dynamo error), and a layer compiled in place would run on"
+            " the CPU master weights instead of the uploaded ones. HINT: pass the model uncompiled (drop"
+            " `torch.compile(...)`/`.compile()`), or train the compiled model with the default strategy."
+        )

@@ -11,7 +11,9 @@ buffer: the weight is one leaf); this also holds for an LM head tied to the embe
 PEFT-wrapped head, since the head is called as a module. Cost: one more LM-head GEMM per token in
 backward (the recomputation), the trade the chunked losses of Liger-Kernel and torchtune make.
 Within a chunk, :class:`ChunkCrossEntropy` holds two fp32 ``[tokens, vocab]`` tensors at most
-(:data:`LOSS_BYTES_PER_LOGIT`).
+(:data:`LOSS_BYTES_PER_LOGIT`). fp64 logits (``64-true``) take ``F.cross_entropy`` on the fp32 logits
+instead, the ops ``ForCausalLMLoss`` runs, so a 64-true fused step gives the default strategy's
+gradients to fp64 rounding (a numerics check, where memory is not the concern).
 
 The loss is the one of transformers' ``ForCausalLMLoss`` (``transformers/loss/loss_utils.py``):
 labels shifted left by one (the last position ignored), ``ignore_index`` positions skipped, logits
@@ -125,7 +127,14 @@ class ChunkCrossEntropy(torch.autograd.Function):
 
 def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, logits_fn: Callable[[torch.Tensor], torch.Tensor],
                     ignore_index: int) -> torch.Tensor:
-    return ChunkCrossEntropy.apply(logits_fn(hidden), labels, ignore_index)
+    logits = logits_fn(hidden)
+    if logits.dtype == torch.float64:
+        # 64-true (a numerics check): the reference's own ops. `ForCausalLMLoss` calls `.float()`, so it computes
+        # the loss of fp64 logits in fp32 too; with the same ops each token's gradient is the default strategy's
+        # bit for bit, however the batch is cut. ChunkCrossEntropy's leaner formula rounds differently (relative
+        # gradient error about 1e-7: below fp32's resolution, not below fp64's).
+        return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+    return ChunkCrossEntropy.apply(logits, labels, ignore_index)
 
 
 def chunked_causal_lm_loss(

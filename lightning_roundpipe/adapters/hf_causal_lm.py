@@ -35,6 +35,7 @@ builds them: no packed-sequence detection).
 from __future__ import annotations
 
 import inspect
+import threading
 import warnings
 from typing import Any
 
@@ -43,6 +44,8 @@ from torch import nn
 
 from lightning_roundpipe.adapters import chunked_loss
 from lightning_roundpipe.adapters.base import DerivedCarry, LayerSequence, module_uses_rng
+from lightning_roundpipe.adapters.hf_calls import (NOOP_KWARGS, SUPPORTED, bind_arguments, check_call, describe,
+                                                   model_arguments, turn_off_checkpointing, unsupported_arguments)
 
 #: ``config.model_type`` -> family notes. Every entry uses the standard layout
 #: ``<causal lm>.model.{embed_tokens, rotary_emb, layers, norm}`` and ``<causal lm>.lm_head``;
@@ -53,12 +56,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {"sliding_window_attr": None},
     "mistral": {"sliding_window_attr": "sliding_window"},
 }
-
-#: arguments accepted at their no-op values only (anything else changes the output and is rejected)
-_NOOP_KWARGS = {"use_cache": (None, False), "return_dict": (None, True), "output_attentions": (None, False),
-                "output_hidden_states": (None, False), "logits_to_keep": (None, 0)}
-_SUPPORTED = ("input_ids", "attention_mask", "position_ids", "labels", "num_items_in_batch")
-
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside PEFT wrappers (``PeftModel`` / ``LoraModel``), else ``model``."""
@@ -305,25 +302,6 @@ class HFTail(nn.Module):
         return out
 
 
-def _is_noop(value: Any, allowed: tuple) -> bool:
-    """``value`` is ``None`` or equal, with the same type, to the argument's default (``allowed[1]``)."""
-    default = allowed[1]
-    return value is None or (type(value) is type(default) and value == default)
-
-
-def _unsupported(kwargs: dict, supported: tuple[str, ...] = _SUPPORTED) -> list[str]:
-    """Names of the arguments given (not ``None``, not at their no-op value) that the pipeline cannot run."""
-    return sorted(k for k, v in kwargs.items() if k not in supported and v is not None
-                  and not (k in _NOOP_KWARGS and _is_noop(v, _NOOP_KWARGS[k])))
-
-
-def host_call(args: tuple, kwargs: dict, supported: tuple[str, ...] = _SUPPORTED) -> bool:
-    """Whether a call runs the model's own forward on the host: it asks for what the pipeline does not
-    compute (``use_cache=True``, ``cache``/``past_key_values``, ``inputs_embeds``, hidden states,
-    attentions, ``logits_to_keep``...), e.g. every forward of ``generate()``."""
-    return bool(_unsupported(kwargs, supported))
-
-
 def boundary_carry_bytes(prepare: Any, hidden_size: int, kwargs: dict, dtype: torch.dtype,
                          num_microbatches: int = 1) -> int:
     """Bytes one stage boundary's carries hold, all microbatches together (what crosses each hop
@@ -362,8 +340,13 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
 
     The pipelined forward accepts ``input_ids`` (int64, ``(batch, seq)``), optional
     ``attention_mask`` (``(batch, seq)``), ``position_ids`` and ``labels`` (int64, ``(batch, seq)``,
-    -100 for ignored positions), and returns a ``CausalLMOutputWithPast`` with ``logits``
-    (``(batch, seq, vocab)``) and, with labels, the scalar ``loss``.
+    -100 for ignored positions), by name or by position as the model's forward names them, and
+    returns a ``CausalLMOutputWithPast`` with ``logits`` (``(batch, seq, vocab)``) and, with labels,
+    the scalar ``loss``; with ``return_dict=False`` (``None``: ``config.return_dict``) its
+    ``to_tuple()``: ``(loss, logits)``, ``(loss,)`` on the fused path. The other arguments the model
+    knows run its own forward on the host without gradients and are refused with them; extra keys
+    are refused (:mod:`~lightning_roundpipe.adapters.hf_calls`). Hugging Face gradient checkpointing
+    is turned off; the sequence's ``restore`` turns it back on as it was.
 
     Mixture-of-experts families also accept ``output_router_logits`` and return a
     ``MoeCausalLMOutputWithPast`` (``aux_loss``: the load-balancing loss when it is on).
@@ -384,14 +367,13 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
     entry = FAMILIES[family]
     if entry.get("check") is not None:
         entry["check"](inner)
-    if getattr(inner, "is_activation_checkpointing", None) or (
-        not hasattr(inner, "is_activation_checkpointing") and getattr(inner, "is_gradient_checkpointing", False)
-    ):
-        # RoundPipe already recomputes every backward stage; HF checkpointing inside a stage would
-        # recompute twice and does not survive the stage's own recomputation
-        (getattr(inner, "activation_checkpointing_disable", None) or inner.gradient_checkpointing_disable)()
-        warnings.warn("RoundPipe turned off Hugging Face gradient checkpointing: backward stages already recompute"
-                      " their layers from the saved stage input.")
+    # RoundPipe already recomputes every backward stage; HF checkpointing inside a stage would
+    # recompute twice and does not survive the stage's own recomputation
+    restore = turn_off_checkpointing(inner)
+    if restore is not None:
+        warnings.warn("RoundPipe turned off Hugging Face gradient checkpointing while it runs the model: backward"
+                      " stages already recompute their layers from the saved stage input. It is turned back on, as it"
+                      " was, when the strategy tears down (after `fit`, `validate`, `test` or `predict`).")
     cfg = inner.config
     body = inner.model
     n = cfg.num_hidden_layers
@@ -415,26 +397,34 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
     tail = HFTail(norm, inner.lm_head, inner.loss_function, cfg.vocab_size, **tail_kwargs)
     layers.append(moe.tail(tail) if moe is not None else tail)
     names = ["prefix(embed,positions)"] + [f"layers.{i}" for i in range(n)] + ["tail(norm,lm_head,loss)"]
-    supported = _SUPPORTED + (moe.kwargs if moe is not None else ())
+    supported = SUPPORTED + (moe.kwargs if moe is not None else ())
+    positional, known = model_arguments(inner)
+    model_name = type(inner).__name__
+    # `return_dict=False` of the call being run: `prepare` sets it, `finalize` reads it; both run in the
+    # calling thread, `prepare` first (the engine's forward), so a thread's flag is its current call's
+    call_format = threading.local()
+
+    def is_host_call(args: tuple, kwargs: dict) -> bool:
+        return check_call(bind_arguments(positional, args, kwargs, model_name), known, supported, model_name,
+                          lambda: any(p.requires_grad for p in inner.parameters()))
 
     def prepare(args: tuple, kwargs: dict) -> dict:
-        if args:
-            kwargs = {"input_ids": args[0], **kwargs}
-            if len(args) > 1:
-                raise TypeError("The pipelined causal LM takes `input_ids` as its only positional argument; pass the rest by name.")
+        kwargs = bind_arguments(positional, args, kwargs, model_name)
         # `None` is "not given" for every argument (PEFT passes `inputs_embeds=None` and friends)
-        unsupported = _unsupported(kwargs, supported)
-        if unsupported:  # the engine runs such calls on the host (`host_call`); this is for a direct `prepare`
+        unsupported = unsupported_arguments(kwargs, supported)
+        if unsupported:  # the engine runs such calls on the host (`check_call`); this is for a direct `prepare`
             raise ValueError(
-                f"The pipelined causal LM does not support {', '.join(f'`{k}={kwargs[k]!r}`' for k in unsupported)}."
+                f"The pipelined causal LM does not support {', '.join(f'`{k}={describe(kwargs[k])}`' for k in unsupported)}."
                 f" Supported: {', '.join(f'`{k}`' for k in supported)}, and"
-                f" {', '.join(f'`{k}`' for k in _NOOP_KWARGS)} at their defaults. HINT: without gradients such calls"
+                f" {', '.join(f'`{k}`' for k in NOOP_KWARGS)} at their defaults. HINT: without gradients such calls"
                 " (generation with a KV cache, `inputs_embeds`, hidden states, attentions) run un-pipelined on the host."
             )
         input_ids = kwargs.get("input_ids")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"`input_ids` must be an int tensor of shape (batch, seq), got {type(input_ids).__name__}"
                              f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else ''}.")
+        return_dict = kwargs.get("return_dict")  # None: the config's, as HF's `can_return_tuple` reads it
+        call_format.as_tuple = not (getattr(cfg, "return_dict", True) if return_dict is None else return_dict)
         carry = {"input_ids": input_ids, "attention_mask": kwargs.get("attention_mask"),
                  "position_ids": kwargs.get("position_ids")}
         labels = kwargs.get("labels")
@@ -447,7 +437,7 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
             moe.prepare(carry, kwargs)
         return carry
 
-    def finalize(merged: dict) -> Any:
+    def output(merged: dict) -> Any:
         if moe is not None:
             return moe.finalize(merged)
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -457,6 +447,11 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         if "logits" not in merged:  # the fused path: the loss only
             return FusedCausalLMOutput(loss=merged.get("loss"))
         return CausalLMOutputWithPast(loss=merged.get("loss"), logits=merged.get("logits"))
+
+    def finalize(merged: dict) -> Any:
+        out = output(merged)
+        # `return_dict=False`: the tuple of the output's values that are not None, as HF's `to_tuple`
+        return out.to_tuple() if getattr(call_format, "as_tuple", False) else out
 
     return LayerSequence(
         target=inner,
@@ -470,8 +465,9 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         has_loss=lambda carry: carry.get("labels") is not None,
         additive_scalars=True,
         routing=moe.routing_spec(layer_offset=1) if moe is not None else None,
-        host_call=lambda args, kwargs: host_call(args, kwargs, supported),
+        host_call=is_host_call,
         derived=derived,
         boundary_bytes=lambda kwargs, dtype, num_microbatches=1: boundary_carry_bytes(
             prepare, cfg.hidden_size, kwargs, dtype, num_microbatches),
+        restore=restore,
     )

@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_roundpipe.config import OPTIMIZER_MODES  # validated in RoundPipeConfig
 from lightning_roundpipe.runtime.host.async_optimizer import BackgroundStepper
+from lightning_roundpipe.runtime.execution.installed import InstalledMethod
 
 
 def check_optimizer_mode(value: Any) -> str:
@@ -151,9 +152,11 @@ class AsyncOptimizer:
         self._callback = self._trainer = None
 
     def _patch(self, owner: Any, name: str, value: Callable) -> None:
+        """``owner.<name> = value`` until :meth:`uninstall`, as an ``InstalledMethod``: a deep copy or pickle of
+        ``owner`` meanwhile (weight averaging callbacks copy the LightningModule) gets ``owner``'s own method."""
         had = name in owner.__dict__
         self._patches.append((owner, name, had, owner.__dict__.get(name)))
-        owner.__dict__[name] = value
+        owner.__dict__[name] = InstalledMethod(value, owner, name, owner.__dict__.get(name) if had else None)
 
     def _deferred(self, original: Callable) -> Callable:
         """``original``, run in the main thread after the next wait when a step is in flight, else now."""

@@ -16,9 +16,30 @@ from lightning_roundpipe.integration.trace import (
     throughput_metrics,
 )
 from lightning_roundpipe.metrics.step import step_metrics
+from lightning_roundpipe.runtime.tuning.optimizer_mode import record_optimizer_step, step_with_optimizer_s
 
-#: Keys shown in the progress bar (``prog_bar=True``), when logged.
+#: The keys a progress bar of ours shows (the main job's ``recipes.callbacks``), when present.
 PROGRESS_BAR_KEYS = ("roundpipe/tokens_per_s", "roundpipe/samples_per_s", "roundpipe/bubble(%)")
+
+
+def log_to_loggers(trainer: Any, metrics: dict[str, float]) -> bool:
+    """Hand ``metrics`` to every logger of ``trainer`` at the step and cadence of the user's own step
+    metrics, without entering the user's metric dictionaries (``trainer.logged_metrics``,
+    ``callback_metrics``, ``progress_bar_metrics``): at the batches Lightning logs
+    (``log_every_n_steps``, every batch with ``fast_dev_run``; not while accumulating gradients with
+    automatic optimization), as Lightning's ``ThroughputMonitor`` does. Returns whether it logged."""
+    if not trainer.loggers or not metrics:
+        return False
+    connector = trainer._logger_connector
+    if not (connector.should_update_logs or trainer.fast_dev_run):
+        return False
+    if trainer.fit_loop._should_accumulate() and trainer.lightning_module.automatic_optimization:
+        return False
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step the user's metrics of this batch get
+    for logger in trainer.loggers:
+        logger.log_metrics(dict(metrics), step=step)
+        logger.save()
+    return True
 
 
 class RoundPipeMetricsCallback(Callback):
@@ -27,11 +48,16 @@ class RoundPipeMetricsCallback(Callback):
     simulator's prediction).
 
     Keys look like ``roundpipe/device0/bubble(%)``; they go to every logger of the Trainer (W&B,
-    CSV, TensorBoard) at the Trainer's ``log_every_n_steps``. ``roundpipe/step(s)`` is the whole
+    CSV, TensorBoard) at the steps the user's own step metrics go (``log_every_n_steps``; not while
+    accumulating gradients), as Lightning's ``ThroughputMonitor`` logs, and stay out of the user's
+    metric dictionaries (``trainer.callback_metrics``, ``logged_metrics``, ``progress_bar_metrics``): read
+    every step's values in :attr:`last_metrics` or the strategy's ``step_metrics``. ``roundpipe/step(s)`` is the whole
     batch (its programs, the gaps between them and the optimizer step), ``roundpipe/optimizer(s)``
     the optimizer step, ``roundpipe/predicted_step(s)`` the simulator's time for the programs this
-    step ran, from the measured per-layer times, plus the measured optimizer time (after the
-    profiled steps), ``roundpipe/host_memory(GiB)`` the host bytes of the model's parameters
+    step ran, from the measured per-layer times, with the host's optimizer step (after the
+    profiled steps; its bytes over the rate measured during them, DESIGN.md section 11: sync, added;
+    async, the larger of the two,
+    :func:`~lightning_roundpipe.runtime.tuning.optimizer_mode.step_with_optimizer_s`), ``roundpipe/host_memory(GiB)`` the host bytes of the model's parameters
     (masters, compute copies, gradients and their host buffers, optimizer state; see
     :func:`~lightning_roundpipe.runtime.host.memory.host_memory`), ``roundpipe/boundary_bytes_per_microbatch(bytes)``
     the mean bytes of one microbatch's carry at a stage boundary, what each hop moves device -> host
@@ -48,15 +74,18 @@ class RoundPipeMetricsCallback(Callback):
     ``roundpipe/samples_per_s`` (dim 0 of the batch over ``step(s)``), for batches with
     ``input_ids`` ``roundpipe/tokens_per_s`` (``input_ids.numel()``, padding included) and, where
     the device's peak FLOP/s is known (``RoundPipeStrategy(peak_flops=...)`` or a known GPU),
-    ``roundpipe/mfu(%)`` and ``roundpipe/hfu(%)`` (with recomputation). The progress bar shows
-    tokens/s (samples/s without ``input_ids``) and the mean bubble.
+    ``roundpipe/mfu(%)`` and ``roundpipe/hfu(%)`` (with recomputation).
 
     Every ``RoundPipeStrategy(trace_every_n_steps=...)`` batches (default 50, from the first batch
-    after the profiled steps) the step's Chrome/Perfetto trace and timeline picture are written
-    and logged (:class:`~lightning_roundpipe.integration.trace.StepTracer`).
+    after the profiled steps) the step's Chrome/Perfetto trace and timeline picture are written into
+    the logger's folder and logged (:class:`~lightning_roundpipe.integration.trace.StepTracer`); without
+    a logger that has a folder, nowhere.
     """
 
     def __init__(self) -> None:
+        self.last_metrics: dict[str, float] = {}
+        """The last training batch's metrics (every batch, whatever the logging cadence; with several
+        nodes rank 0's gathered keys, ``{}`` on the other ranks)."""
         self._batch_start: float | None = None
         self._optimizer_start: float | None = None
         self._tracer: StepTracer | None = None
@@ -94,10 +123,10 @@ class RoundPipeMetricsCallback(Callback):
         if tracer is None:
             tracer = self._tracer = StepTracer(getattr(trainer.strategy, "trace_every_n_steps", DEFAULT_TRACE_EVERY_N_STEPS) or 0)
         traced = tracer.due(engine)
+        mode = getattr(trainer.strategy, "optimizer_mode", "sync")
+        record_optimizer_step(engine, trainer.optimizers, _optimizer_seconds(trainer, optimizer_s, mode), mode)
         engine.end_step()
-        predicted = engine.predict_s(programs)
-        if predicted is not None:
-            predicted += optimizer_s or 0.0
+        predicted = step_with_optimizer_s(engine, engine.predict_s(programs), optimizer_s)
         memory = engine.host_memory(trainer.optimizers)
         timelines = engine.pop_timelines()
         metrics = step_metrics(timelines, step_s=step_s, optimizer_s=optimizer_s, predicted_step_s=predicted,
@@ -114,12 +143,10 @@ class RoundPipeMetricsCallback(Callback):
             dtype = getattr(precision, "autocast_dtype", None) or getattr(precision, "compute_dtype", None)
             metrics.update(throughput_metrics(engine, batch, step_s, programs, getattr(trainer.strategy, "peak_flops", None),
                                               dtype, cache=self._flops_cache))
-            bar = {k: metrics.pop(k) for k in PROGRESS_BAR_KEYS if k in metrics}
-            if "roundpipe/tokens_per_s" in bar:
-                metrics["roundpipe/samples_per_s"] = bar.pop("roundpipe/samples_per_s")
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
-            pl_module.log_dict(bar, on_step=True, on_epoch=False, batch_size=1, prog_bar=True)
-            metrics.update(bar)
+            log_to_loggers(trainer, metrics)
+        self.last_metrics = metrics
+        if hasattr(trainer.strategy, "step_metrics"):
+            trainer.strategy.step_metrics = metrics
         if traced and metrics and self._batch_start is not None and trainer.is_global_zero:  # several nodes: rank 0's
             record = StepRecord(timelines, programs, self._batch_start, now, self._optimizer_start)
             tracer.trace(trainer, engine, record, metrics)
@@ -133,3 +160,15 @@ class RoundPipeMetricsCallback(Callback):
     @override
     def on_validation_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         self._drop(trainer)
+
+
+def _optimizer_seconds(trainer: Any, main_thread_s: float | None, mode: str) -> float | None:
+    """Seconds of the step's optimizer work for the host's optimizer rate: sync, the main thread's
+    time from ``on_before_optimizer_step`` to the batch's end (clipping, ``optimizer.step()``, the
+    weight refresh); async, the optimizer thread's busy time since the metrics were last popped
+    (the previous step's job, which this step waited for), ``None`` when it ran none."""
+    if mode != "async":
+        return main_thread_s
+    stepper = getattr(getattr(trainer.strategy, "async_optimizer", None), "stepper", None)
+    busy = getattr(stepper, "busy_s", 0.0)
+    return busy if busy > 0 else None

@@ -52,6 +52,53 @@ class NodeParallelStrategy(ParallelStrategy):
     data_parallel: DataParallel
     data_parallel_sync: "DataParallelSync | None" = None
     _num_nodes: int = 1
+    _rank_overrides: dict[str, int] | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Processes, one per node: 1 with one node (the cluster environment is not read, as under
+        Lightning's single-device strategy); with several, the cluster environment's (as DDP's; checked
+        to equal ``num_nodes`` in :func:`setup_distributed`). Settable, like ``SingleDeviceStrategy.world_size``
+        (e.g. to mock a world size): a value set wins over the rest."""
+        return self._ranks("world_size", 1, lambda: ParallelStrategy.world_size.fget(self))
+
+    @world_size.setter
+    def world_size(self, value: int) -> None:
+        self._set_rank("world_size", value)
+
+    @property
+    def global_rank(self) -> int:
+        """0 with one node; else the cluster environment's (as DDP's). Settable, as :attr:`world_size`."""
+        return self._ranks("global_rank", 0, lambda: ParallelStrategy.global_rank.fget(self))
+
+    @global_rank.setter
+    def global_rank(self, value: int) -> None:
+        self._set_rank("global_rank", value)
+
+    @property
+    def local_rank(self) -> int:
+        """0 with one node; else the cluster environment's (as DDP's). Settable, as :attr:`world_size`."""
+        return self._ranks("local_rank", 0, lambda: ParallelStrategy.local_rank.fget(self))
+
+    @local_rank.setter
+    def local_rank(self, value: int) -> None:
+        self._set_rank("local_rank", value)
+
+    @property
+    def node_rank(self) -> int:
+        """0 with one node; else the cluster environment's ``node_rank()`` (as DDP's: ``SLURM_NODEID``,
+        ``NODE_RANK``/``GROUP_RANK``...)."""
+        return 0 if self._num_nodes == 1 else ParallelStrategy.node_rank.fget(self)
+
+    def _ranks(self, name: str, one_node: int, from_environment: Any) -> int:
+        if self._rank_overrides and name in self._rank_overrides:
+            return self._rank_overrides[name]
+        return one_node if self._num_nodes == 1 else from_environment()
+
+    def _set_rank(self, name: str, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"`{name}` must be a non-negative int, got {value!r}.")
+        self._rank_overrides = {**(self._rank_overrides or {}), name: value}
 
     @property
     def root_device(self) -> torch.device:
@@ -82,10 +129,13 @@ class NodeParallelStrategy(ParallelStrategy):
         set_world_ranks(self)
 
     def setup_environment(self) -> None:
-        """Several processes: the process group. (Sets up no device: ``Strategy``'s would set up
-        the CPU root device on the accelerator; the subclass sets up its first worker device.)"""
-        if self.world_size > 1:
+        """Several nodes: the process group; one node: check that a launcher started one process.
+        (Sets up no device: ``Strategy``'s would set up the CPU root device on the accelerator; the
+        subclass sets up its first worker device.)"""
+        if self.num_nodes > 1:
             setup_distributed(self, self.data_parallel)
+        else:
+            check_one_process(self)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -136,13 +186,38 @@ class NodeParallelStrategy(ParallelStrategy):
 
 
 def set_world_ranks(strategy: Any) -> None:
-    """One process per node: ``global_rank = node_rank + local_rank``, ``world_size = num_nodes``
-    (as ``DDPStrategy.set_world_ranks`` with one process per node)."""
+    """One process per node: with several nodes ``global_rank = node_rank + local_rank``,
+    ``world_size = num_nodes`` (as ``DDPStrategy.set_world_ranks`` with one process per node); with
+    one node the ranks are 0 and the cluster environment is left alone (a SLURM or torchrun
+    environment with some variables missing is not read)."""
     env = strategy.cluster_environment
-    if env is not None:
+    if env is not None and strategy.num_nodes > 1:
         env.set_global_rank(strategy.node_rank + strategy.local_rank)
         env.set_world_size(strategy.num_nodes)
     rank_zero_only.rank = strategy.global_rank
+
+
+def check_one_process(strategy: Any) -> None:
+    """With one node, a launcher (SLURM's ``srun``, ``torchrun``, MPI) must have started one process:
+    several would each train the whole model alone.
+
+    Raises:
+        ValueError: when the cluster environment reports a world size above 1 (a world size it cannot
+            read, e.g. SLURM variables partly set, is not checked).
+    """
+    env = strategy.cluster_environment
+    if env is None or not env.creates_processes_externally:
+        return
+    try:
+        size = int(env.world_size())
+    except (KeyError, ValueError, TypeError):
+        return
+    if size > 1:
+        raise ValueError(
+            f"RoundPipe runs one process per node: the cluster environment ({type(env).__name__}) has world size {size}"
+            " for `num_nodes=1`. HINT: start one process per node (`--ntasks-per-node=1`, `torchrun --nproc-per-node 1`)"
+            " and set `Trainer(num_nodes=<processes>)`; the node's devices are the pipeline's (`Trainer(devices=N)`)."
+        )
 
 
 def setup_distributed(strategy: Any, config: DataParallel) -> None:

@@ -62,6 +62,32 @@ def _canonical(precision: Any) -> str:
     return name
 
 
+def frozen_rounding_note(frozen: list[Tensor], compute_dtype: torch.dtype | None, precision: str) -> str | None:
+    """What a run does to the frozen matmul weights it holds in the compute dtype, and how to keep the
+    originals: the text the strategy announces once per fit; ``None`` when it rounds nothing.
+
+    Args:
+        frozen: the frozen parameters the weight store holds only as their upload copy
+            (:attr:`~lightning_roundpipe.runtime.host.store.WeightStore.frozen_in_compute_dtype`);
+            those in ``compute_dtype`` were converted from a wider dtype (the others only pinned).
+        compute_dtype: the upload dtype of the matmul weights (:attr:`RoundPipePrecision.compute_dtype`).
+        precision: the precision's name, for the message.
+    """
+    rounded = [t for t in frozen if compute_dtype is not None and t.dtype == compute_dtype]
+    if not rounded:
+        return None
+    name = str(compute_dtype).replace("torch.", "")
+    numel = sum(t.numel() for t in rounded)
+    return (f"RoundPipe holds {len(rounded)} frozen matmul weights ({numel / 1e6:.2f}M parameters: `nn.Linear` weights"
+            f" with `requires_grad=False`, e.g. a LoRA base's projections) in {name} while it runs (`precision={precision!r}`:"
+            f" {compute_dtype.itemsize} host bytes per parameter, no fp32 copy). When the strategy tears down they get their"
+            f" dtype back with {name}-rounded values (the values the pipeline computed with): the model's frozen weights"
+            " change. HINT: to keep the original weights, copy them before `fit`, `frozen = {n: p.detach().clone() for n, p"
+            " in model.named_parameters() if not p.requires_grad}`, and load them back after it,"
+            " `model.load_state_dict(frozen, strict=False)`; or reload the base model from its files;"
+            " `precision='32-true'` keeps them as they are.")
+
+
 def _cpu_scaler(scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler:
     """A ``GradScaler`` on the CPU (the masters and their gradients live there) with ``scaler``'s
     settings and state; ``scaler`` itself when it already is one."""

@@ -24,12 +24,14 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_roundpipe.adapters import FAMILIES, is_supported, make_layer_sequence
+from lightning_roundpipe.adapters.base import check_not_compiled
 from lightning_roundpipe.config import DEFAULT_TRACE_EVERY_N_STEPS, DataParallel, RoundPipeConfig
 from lightning_roundpipe.integration import data_parallel as dp
 from lightning_roundpipe.integration.async_step import AsyncOptimizer
-from lightning_roundpipe.integration.precision import RoundPipePrecision
+from lightning_roundpipe.integration.precision import RoundPipePrecision, frozen_rounding_note
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
+from lightning_roundpipe.runtime.execution.replica import diverged_attributes
 from lightning_roundpipe.runtime.tuning.autopartition import describe_rounds
 from lightning_roundpipe.runtime.tuning.plan_state import CHECKPOINT_KEY, plan_state, restore_plan_state
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES
@@ -110,7 +112,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             ``debug_copy_delay_s`` (CPU virtual devices), ``device_memory_bytes`` (one device's memory,
             enforced on CPU virtual devices), ``optimizer`` (``"sync"`` or ``"async"``,
             see *Asynchronous optimizer* below), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
-            timeline PNG every N batches into ``<trainer.log_dir>/roundpipe/`` and W&B; 0: off),
+            timeline PNG every N batches into ``<trainer.log_dir>/roundpipe/`` and W&B, with a logger; 0: off),
             ``peak_flops`` (device peak FLOP/s for ``roundpipe/mfu(%)``; looked up by GPU name),
             ``data_parallel`` (:class:`~lightning_roundpipe.DataParallel`: the data parallelism across
             nodes, ``Trainer(num_nodes=N)`` with one process per node; ignored with one node).
@@ -220,8 +222,16 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         self._announced: str | None = None
         self._announced_auto = False
         self._warned_fused = False
+        self._warned_rounding = False  # the frozen matmul weights come back rounded (once per strategy)
+        self._warned_attributes = False  # layer attributes differ from the replicas' (once per strategy)
+        self._train_batches_started = 0
         self._restored_plan: dict[str, Any] | None = None  # the checkpoint's engine state (load_checkpoint)
         self._finished_plan: dict[str, Any] | None = None  # the last engine's state, kept at teardown
+        self.step_metrics: dict[str, float] = {}
+        """RoundPipe's metrics of the last training batch (``roundpipe/device0/bubble(%)``...; every batch,
+        whatever ``log_every_n_steps``; kept after fit), written by
+        :class:`~lightning_roundpipe.RoundPipeMetricsCallback`. They go to the loggers, never into the
+        Trainer's ``callback_metrics``, ``logged_metrics`` or ``progress_bar_metrics``."""
 
     # ------------------------------------------------------------------ the config's fields (read-only)
     num_microbatches = property(lambda self: self.config.num_microbatches, doc="`RoundPipeConfig.num_microbatches`.")
@@ -275,6 +285,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         dp.warn_devices_auto(trainer)
         super().setup(trainer)
         target = self._find_module()
+        check_not_compiled(self.lightning_module, target)
         seq = make_layer_sequence(target)
         if self.partition is not None:
             self.partition.validate(len(seq))
@@ -293,6 +304,11 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         if fitting:
             restore_plan_state(self.engine, self._restored_plan)  # resuming (`ckpt_path`): Lightning loads it first
         self._announce(seq, devices, fitting)
+        rounding = frozen_rounding_note(self.engine.store.frozen_in_compute_dtype, precision.compute_dtype,
+                                        precision.precision)
+        if rounding is not None and not self._warned_rounding:
+            self._warned_rounding = True
+            rank_zero_warn(rounding)
         if fitting and self.optimizer_mode == "async":
             self._async = AsyncOptimizer()
             try:
@@ -301,7 +317,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
                 self._async.uninstall()
                 self._async = None
                 raise
-        if fitting and self.world_size > 1:
+        if fitting and self.num_nodes > 1:  # one process per node (a `world_size` set by hand mocks no processes)
             self.data_parallel_sync = dp.DataParallelSync(self.engine, self.lightning_module, self.data_parallel)
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_roundpipe.integration.callbacks import RoundPipeMetricsCallback
@@ -348,6 +364,38 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
                 " inside the model's forward, and the output carries the loss only (reading `.logits` raises)."
                 " Use `RoundPipeStrategy(fused_loss=False)` to get logits in `training_step`."
             )
+
+    def _warn_diverged_attributes(self) -> None:
+        """Warn (once) when plain attributes differ between the pipelined layers and the devices'
+        replicas of them (:func:`~lightning_roundpipe.runtime.execution.replica.diverged_attributes`)."""
+        engine = self.engine
+        if engine is None or self._warned_attributes:
+            return
+        found = diverged_attributes(engine.executor.replicas)
+        if not found:
+            return
+        self._warned_attributes = True
+        names = {id(m): n for n, m in self.lightning_module.named_modules()}
+        listed = ", ".join(f"`{names.get(id(module), type(module).__name__)}.{name}`" for module, name in found[:6])
+        listed += f" and {len(found) - 6} more" if len(found) > 6 else ""
+        rank_zero_warn(
+            f"RoundPipe: the attribute(s) {listed} differ between your layers and the copies the pipeline runs. Each"
+            " device runs a layer's forward on its own shallow copy of it (a replica: the layer's parameters, its own"
+            " attribute dict), once per microbatch and again in the backward's recomputation: an attribute a layer sets"
+            " on itself in forward stays on the replica (and holds a microbatch's value), and one set on a layer during"
+            " fit does not reach the replicas. RoundPipe copies neither way: no copy gives the default strategy's value."
+            " HINT: return such values from forward (or compute them outside the pipelined model), and set layer"
+            " attributes before fit (PEFT's `set_adapter`, `disable_adapter()` included)."
+        )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._train_batches_started += 1
+        # after the first training step: warn early, not only at teardown (with "async" the step's backward
+        # stages may still run now, so only teardown, after the drain, reads the replicas)
+        if self._train_batches_started == 2 and self._async is None:
+            self._warn_diverged_attributes()
 
     def _find_module(self) -> nn.Module:
         lm = self.lightning_module
@@ -399,18 +447,24 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        def step() -> Any:
+            out = super(RoundPipeStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+            if self.engine is not None:  # a fused optimizer bumps no version counter: the shadows must be told
+                self.engine.store.mark_stale(p for group in optimizer.param_groups for p in group["params"])
+            return out
+
         if self._async is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        return self._async.optimizer_step(optimizer, lambda: super(RoundPipeStrategy, self).optimizer_step(
-            optimizer, closure, model, **kwargs))
+            return step()
+        return self._async.optimizer_step(optimizer, step)
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        # the last step of Lightning's `Strategy.backward` (not overridden: `mock.patch.object(Strategy, "backward",
+        # wraps=trainer.strategy.backward)` would recurse through an override calling `super().backward`)
+        super().post_backward(closure_loss)
         self.wait_for_optimizer()  # the pipeline's gradients waited already; anything else written now is safe
         if self.data_parallel_sync is not None:
             self.data_parallel_sync.after_backward()  # before clipping and the optimizer step: the global gradient
-        return out
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -425,17 +479,20 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Also keeps the engine's profiling progress and automatic choice (plain values) under
-        ``"roundpipe_plan"``, so a resumed fit goes on with the plan of the straight run."""
+        ``"roundpipe_plan"``, so a resumed fit goes on with the plan of the straight run. The file gets
+        the key, the ``checkpoint`` dict the ``on_save_checkpoint`` hooks saw is left as it was."""
         self.wait_for_optimizer()
         state = self._finished_plan if self.engine is None else plan_state(self.engine)
         if state is not None:
-            checkpoint[CHECKPOINT_KEY] = state
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: state}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Also takes the ``"roundpipe_plan"`` key out (the strategy's own state: the ``on_load_checkpoint``
+        hooks see the checkpoint as under Lightning's strategies)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._restored_plan = checkpoint.get(CHECKPOINT_KEY)
+        self._restored_plan = checkpoint.pop(CHECKPOINT_KEY, None)
         if self.engine is not None:
             restore_plan_state(self.engine, self._restored_plan)
         return checkpoint
@@ -462,8 +519,12 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             self._async = None
         if self.engine is not None:
             self._finished_plan = plan_state(self.engine)  # for `trainer.save_checkpoint` after `fit`
+            self._warn_diverged_attributes()
+            restore = self.engine.seq.restore  # what building the layer sequence changed (HF gradient checkpointing)
             self.engine.close()
             self.engine = None
+            if restore is not None:
+                restore()
         if self._callback is not None and self.lightning_module is not None and self.lightning_module._trainer is not None:
             callbacks = self.lightning_module.trainer.callbacks
             if self._callback in callbacks:

@@ -4,7 +4,7 @@
   the profiled steps, when the automatic partition is in place and the simulator can predict the
   step), writes the step's Chrome/Perfetto trace (:func:`~lightning_roundpipe.metrics.trace.write_trace`)
   and a PNG (measured step above the simulator's timeline of the same programs) into
-  ``<trainer.log_dir>/roundpipe/``, and hands both to the Trainer's W&B loggers (``wandb.Image``
+  ``<trainer.log_dir>/roundpipe/`` (nothing without a logger that has a folder), and hands both to the Trainer's W&B loggers (``wandb.Image``
   under ``roundpipe/timeline``, the trace as an artifact of type ``roundpipe-trace``); the plan
   (stages, cursor, microbatches, devices) goes to every logger's hyperparameters.
 - :func:`throughput_metrics`: ``roundpipe/samples_per_s``, ``roundpipe/tokens_per_s``,
@@ -29,18 +29,19 @@ from lightning_roundpipe.schedule.program import OpKind, StreamProgram
 
 __all__ = ["StepTracer", "throughput_metrics"]
 
-def _log_dir(trainer: Any) -> Path:
-    """``trainer.log_dir`` without its broadcast (a collective: with several nodes only rank 0 traces,
-    so it must not wait for the others): the first logger's ``log_dir`` (TensorBoard, CSV) or
-    ``save_dir``, else ``default_root_dir``."""
+def _log_dir(trainer: Any) -> Path | None:
+    """The folder of the Trainer's logger, where the traces go (``trainer.log_dir`` without its
+    broadcast, a collective: with several nodes only rank 0 traces, so it must not wait for the others):
+    the first logger with a folder, its ``log_dir`` (TensorBoard, CSV) or ``save_dir``. ``None`` without
+    such a logger: then no trace is written (not into ``default_root_dir``, the working directory or a
+    checkpoint folder the user did not choose for them)."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-    if trainer.loggers:
-        first = trainer.loggers[0]
-        folder = first.log_dir if isinstance(first, (TensorBoardLogger, CSVLogger)) else first.save_dir
-    else:
-        folder = None
-    return Path(folder or trainer.default_root_dir)
+    for logger in trainer.loggers:
+        folder = logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger)) else logger.save_dir
+        if folder:
+            return Path(folder)
+    return None
 
 
 # ---------------------------------------------------------------------------------------- throughput
@@ -154,6 +155,7 @@ class StepTracer:
     batches: int = 0
     written: list[tuple[Path, Path]] = field(default_factory=list)
     _logged_plan: dict | None = None
+    _warned_no_folder: bool = False
 
     def due(self, engine: Any) -> bool:
         """Call once per training batch, before ``engine.end_step()``: whether to trace this one."""
@@ -171,7 +173,16 @@ class StepTracer:
         return (batch - self.first_batch) % self.every_n_steps == 0
 
     def trace(self, trainer: Any, engine: Any, record: StepRecord, metrics: Mapping[str, float]) -> tuple[Path, Path] | None:
-        """Write the step's trace JSON and PNG under ``<log_dir>/roundpipe/`` and log them; returns the paths."""
+        """Write the step's trace JSON and PNG under ``<log_dir>/roundpipe/`` and log them; returns the paths
+        (``None`` and nothing written without a logger folder: :func:`_log_dir`)."""
+        log_dir = _log_dir(trainer)
+        if log_dir is None:
+            if self.every_n_steps != DEFAULT_TRACE_EVERY_N_STEPS and not self._warned_no_folder:
+                self._warned_no_folder = True
+                rank_zero_warn(f"RoundPipe: `trace_every_n_steps={self.every_n_steps}`, but the Trainer has no logger with a"
+                               " folder, where the step traces go: none is written. HINT: add a logger, e.g."
+                               " `Trainer(logger=CSVLogger(save_dir))`; its `log_dir`/roundpipe/ gets them.")
+            return None
         if not record.timelines:
             return None
         origin = record.batch_start_s
@@ -189,7 +200,7 @@ class StepTracer:
             host.append(HostSpan("optimizer", "optimizer step", record.optimizer_start_s - origin, step_s))
         predicted = self._predicted(engine, record.programs, optimizer_s)
         step = trainer.global_step
-        folder = _log_dir(trainer) / "roundpipe"
+        folder = log_dir / "roundpipe"
         params = plan_params(engine, record.programs) if record.programs else {}
         wanted = ("roundpipe/step(s)", "roundpipe/predicted_step(s)", "roundpipe/bubble(%)", "roundpipe/tokens_per_s")
         meta = {"step": step, **params, **{k: metrics[k] for k in wanted if k in metrics}}

@@ -27,7 +27,8 @@ from lightning_roundpipe.runtime.tuning.autopartition import (choose_partition, 
 from lightning_roundpipe.runtime.backends import make_backends, step_memory_peaks
 from lightning_roundpipe.runtime.execution.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.host.memory import HostMemory, host_memory
-from lightning_roundpipe.runtime.execution.microbatch import check_batch_dim, merge_input_grads, merge_leaves, split_grads, split_microbatches
+from lightning_roundpipe.runtime.execution.microbatch import (BatchStatistics, check_batch_dim, merge_input_grads, merge_leaves,
+                                                           split_grads, split_microbatches)
 from lightning_roundpipe.runtime.tuning.profiler import LayerProfiler
 from lightning_roundpipe.runtime.replay.routing import RoutingStore
 from lightning_roundpipe.runtime.host.store import WeightStore
@@ -130,6 +131,7 @@ class RoundPipeEngine:
         self._lock = threading.Lock()
         self._original_forward = None
         self._warned_small_batch = False
+        self.batch_statistics = BatchStatistics(seq.layers, seq.target)  # BatchNorm in train mode: whole batch
         self._warned_routing_fused = False
         self.stage_memory_bytes = stage_memory_bytes
         self.fused_loss = fused_loss
@@ -210,23 +212,23 @@ class RoundPipeEngine:
 
     # ------------------------------------------------------------------ install / close
     def install(self) -> None:
-        """Replace ``seq.target.forward`` by :meth:`forward` (an instance attribute); a target with a
-        ``generate`` method (Hugging Face ``GenerationMixin``) also gets a ``generate`` that runs every
-        forward it makes on the host (:meth:`host_forward`)."""
+        """Replace ``seq.target.forward`` by :meth:`forward` (and a ``generate`` method by :meth:`generate`: its forwards run
+        on the host) as :class:`InstalledMethod` s: a deep copy or pickle of the module meanwhile gets its own methods."""
+        from lightning_roundpipe.runtime.execution.installed import InstalledMethod
         target = self.seq.target
         if self._original_forward is None:
             self._original_forward = target.__dict__.get("forward")
-            target.forward = self.forward
+            target.forward = InstalledMethod(self.forward, target, "forward", self._original_forward)
         if self._original_generate is None and callable(getattr(target, "generate", None)):
             self._original_generate = target.__dict__.get("generate", False)  # False: the class's own
-            target.generate = self.generate
+            target.generate = InstalledMethod(self.generate, target, "generate", self._original_generate)
 
     def uninstall(self) -> None:
         """Restore the target's own forward (and ``generate``)."""
         target = self.seq.target
         for name, original in (("forward", self._original_forward), ("generate", self._original_generate)):
             current = target.__dict__.get(name)
-            if current is not None and getattr(current, "__self__", None) is self:
+            if current is not None and getattr(current, "engine", None) is self:  # an InstalledMethod of ours
                 del target.__dict__[name]
                 if original:
                     setattr(target, name, original)
@@ -358,6 +360,7 @@ class RoundPipeEngine:
         seq = self.seq
         if getattr(self._host_calls, "depth", 0) or (seq.host_call is not None and seq.host_call(args, kwargs)):
             return self.host_forward(*args, **kwargs)
+        self.store.rebind_buffers()  # a module replaced a buffer (SWA resets BatchNorm statistics so)
         carry = seq.prepare(args, kwargs)
         flat, carry_spec = pytree.tree_flatten(carry)
         grad_enabled = torch.is_grad_enabled()
@@ -367,7 +370,7 @@ class RoundPipeEngine:
                          if grad_enabled and isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
         grad_inputs = [flat[i] for i in grad_pos]
         carry = pytree.tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], carry_spec)
-        target = self.split_num_microbatches or self.num_microbatches
+        target = self.batch_statistics.num_microbatches(self.split_num_microbatches or self.num_microbatches)
         mbs, sizes = split_microbatches(carry, target)
         m = len(mbs)
         if m < target and not self._warned_small_batch:

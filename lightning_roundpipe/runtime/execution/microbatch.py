@@ -13,9 +13,11 @@ Rules (pytrees of ``torch.utils._pytree``):
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 
@@ -122,3 +124,55 @@ def check_batch_dim(per_mb_leaves: list[list], sizes: list[int], family: str) ->
                     " its outputs must carry the batch on dim 0, because RoundPipe concatenates them over microbatches."
                     " HINT: compute reductions (the loss, a mean over the batch) outside the pipelined model."
                 )
+
+
+class BatchStatistics:
+    """The batch normalisation layers of a layer sequence, and the microbatch count they allow.
+
+    Batch normalisation (``torch.nn.modules.batchnorm._BatchNorm``: ``BatchNorm1d/2d/3d``, the lazy
+    ones, ``SyncBatchNorm``) normalises each row with the mean and variance of the whole batch in
+    train mode, and in eval mode without running statistics (``track_running_stats=False``). Cut into
+    microbatches it would normalise with each microbatch's statistics instead (and fail on a microbatch
+    of one row), so while such a layer uses batch statistics every call runs the whole batch as one
+    microbatch, exactly as the un-pipelined model (the stages still run on the devices in turn; the
+    microbatches' overlap is lost). In eval mode with running statistics the layer is per-row and the
+    calls are cut as usual. Per-row normalisations (``LayerNorm``, ``GroupNorm``, ``InstanceNorm``,
+    RMSNorm) never count. Batch statistics computed by other code (a custom layer) cannot be detected.
+
+    Args:
+        layers: the sequence's layers (``LayerSequence.layers``).
+        target: the pipelined module (``LayerSequence.target``): the warning names the layers by their
+            path in it.
+    """
+
+    def __init__(self, layers: Sequence[torch.nn.Module], target: torch.nn.Module) -> None:
+        paths = {id(module): name for name, module in target.named_modules()}
+        self.target_name = type(target).__name__
+        self.modules = [(paths.get(id(module), type(module).__name__), module)
+                        for layer in layers for module in layer.modules() if isinstance(module, _BatchNorm)]
+        self.warned = False
+
+    def active(self) -> list[str]:
+        """Labels of the layers that normalise with batch statistics in their current mode."""
+        return [label for label, module in self.modules if module.training or module.running_mean is None]
+
+    def num_microbatches(self, num_microbatches: int) -> int:
+        """1 while a layer uses batch statistics (warns once, naming it, when that overrides a larger
+        ``num_microbatches``), else ``num_microbatches``."""
+        if not self.modules or num_microbatches == 1:
+            return num_microbatches
+        active = self.active()
+        if not active:
+            return num_microbatches
+        if not self.warned:
+            self.warned = True
+            kinds = sorted({type(module).__name__ for label, module in self.modules if label in active})
+            warnings.warn(
+                f"RoundPipe: {', '.join(f'`{label}`' for label in active)} of the pipelined `{self.target_name}`"
+                f" ({', '.join(kinds)}) {'normalises' if len(active) == 1 else 'normalise'} with the statistics"
+                " of the whole batch, which microbatches would change: calls run the whole batch as one microbatch"
+                f" (not {num_microbatches}) while such a layer is in train mode, exactly as without the pipeline, but without"
+                " the overlap of microbatches. HINT: a per-row normalisation (`nn.LayerNorm`, `nn.GroupNorm`) pipelines"
+                " microbatches; so does batch normalisation in eval mode (`layer.eval()`: its running statistics).",
+                stacklevel=3)
+        return 1

@@ -84,3 +84,36 @@ class LayerReplica:
             for module, leaf, is_param, original in self._slots.values():
                 (module._parameters if is_param else module._buffers)[leaf] = \
                     (original._parameters if is_param else original._buffers)[leaf]
+
+
+#: module attributes the replica manages itself (its own tensor tables, the training flag bind copies)
+_OWN_ATTRIBUTES = frozenset({"_parameters", "_buffers", "_modules", "training"})
+_MISSING = object()
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _same(a: object, b: object) -> bool:
+    return a is b or (type(a) is type(b) and isinstance(a, _PLAIN) and a == b)
+
+
+def diverged_attributes(replicas: "list[list[LayerReplica]]") -> list[tuple[nn.Module, str]]:
+    """Plain attributes (not parameters, buffers, submodules nor ``training``) that differ between a
+    layer's modules and any device's replica of them: set (or changed) by a forward on the replica,
+    which the layer never sees, or set on the layer after the replicas were made, which they never
+    see. A value counts as changed when it is another object, except equal plain scalars and strings.
+
+    Args:
+        replicas: per device, the :class:`LayerReplica` of every layer (the executor's ``replicas``).
+
+    Returns:
+        ``(original module, attribute name)`` pairs, once each, in layer order.
+    """
+    found: dict[tuple[int, str], tuple[nn.Module, str]] = {}
+    for device_replicas in replicas:
+        for replica in device_replicas:
+            for original, copy in replica.pairs:
+                mine, theirs = original.__dict__, copy.__dict__
+                for key in sorted((mine.keys() | theirs.keys()) - _OWN_ATTRIBUTES):
+                    if not _same(mine.get(key, _MISSING), theirs.get(key, _MISSING)):
+                        found.setdefault((id(original), key), (original, key))
+    return list(found.values())

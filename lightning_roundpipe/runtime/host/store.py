@@ -11,8 +11,9 @@
   embedding reads it in fp32, autocast casts it for the head's matmul) and buffers. The devices
   then compute exactly what Lightning's autocast computes for the same module: norms, embedding
   outputs and the residual stream, which crosses the stage boundaries, stay fp32.
-- **Shadows**: per tensor, a host copy in the upload dtype, pinned on CUDA, from which every upload
-  reads (paper section 3.3: uploads move compute-dtype bytes from pinned memory). A shadow is
+- **Shadows**: per tensor, a host copy in the upload dtype, pinned on CUDA (exact-size page-locked
+  memory, :mod:`~lightning_roundpipe.runtime.host.pinned`, not torch's power-of-two pinned cache),
+  from which every upload reads (paper section 3.3: uploads move compute-dtype bytes from pinned memory). A shadow is
   refreshed from its master when the master changed (its version counter moved: the optimizer
   step). Where no copy is needed (CPU virtual devices, same dtype) the master itself is the shadow.
 - **Frozen parameters** (``requires_grad=False``, e.g. a LoRA base) hold only their upload copy
@@ -38,13 +39,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from lightning_roundpipe.partition.profile import SharedWeight
 from lightning_roundpipe.runtime.host.grads import GradAccumulator, download_bytes, needs_fp32_accumulation
+from lightning_roundpipe.runtime.host.pinned import is_pinned, pinned_empty
 
 _ALIGN = 16
 
@@ -193,7 +195,7 @@ class WeightStore:
         if not (entry.is_param and not master.requires_grad and master.is_floating_point() and self._needs_copy(entry)):
             return
         entry.original_dtype = master.dtype
-        data = torch.empty(master.shape, dtype=entry.dtype, pin_memory=self.pin_memory)
+        data = pinned_empty(master.shape, entry.dtype, pin=self.pin_memory)
         data.copy_(master.detach())
         master.data = data
 
@@ -224,7 +226,7 @@ class WeightStore:
     def _needs_copy(self, entry: _Tensor) -> bool:
         master = entry.master
         trainable = entry.is_param and master.requires_grad
-        return ((self.snapshot and trainable) or (self.pin_memory and not master.is_pinned())
+        return ((self.snapshot and trainable) or (self.pin_memory and not is_pinned(master))
                 or entry.dtype != master.dtype or not master.is_contiguous())
 
     def refresh(self, force: bool = False) -> int:
@@ -270,6 +272,20 @@ class WeightStore:
             stale.append(key)
         return stale
 
+    def mark_stale(self, parameters: Iterable[torch.Tensor]) -> int:
+        """Make the shadows of ``parameters`` stale, so that the next :meth:`refresh` (or run) copies
+        them from their masters: to be called after every optimizer step. The version counter alone
+        misses updates: a fused optimizer (``torch.optim.AdamW(fused=True)``: ``torch._fused_adamw_``)
+        changes its parameters in place without bumping ``Tensor._version``, and the devices would go
+        on computing with the weights of before the first step. Returns how many entries were marked."""
+        wanted = {id(p) for p in parameters}
+        marked = 0
+        for entry in self.tensors.values():
+            if id(entry.master) in wanted and entry.version is not None:
+                entry.version = (entry.version[0], -1)  # matches no version counter: stale, shadow kept
+                marked += 1
+        return marked
+
     def refresh_entry(self, key: int) -> int:
         """Copy one master into its shadow (in the compute dtype, pinned on CUDA); returns the bytes
         copied. Called by :meth:`refresh`, or per tensor in upload order by the executor's refresh
@@ -277,7 +293,7 @@ class WeightStore:
         entry = self.tensors[key]
         master = entry.master.detach()
         if entry.shadow is None or entry.version is None or entry.shadow.shape != master.shape:
-            entry.shadow = torch.empty(master.shape, dtype=entry.dtype, pin_memory=self.pin_memory)
+            entry.shadow = pinned_empty(master.shape, entry.dtype, pin=self.pin_memory)
         entry.shadow.copy_(master)
         entry.version = (master.data_ptr(), master._version)
         return entry.shadow.numel() * entry.shadow.element_size()
@@ -344,6 +360,14 @@ class WeightStore:
         return sum(download_bytes(self.tensors[k].master.numel(), self.tensors[k].dtype) for k in layout.tensors
                    if self.tensors[k].is_param and self.tensors[k].master.requires_grad)
 
+    def accumulator_numel(self, layers: range) -> int:
+        """Elements of the stage's fp32 gradient accumulator: its trainable parameters whose upload
+        dtype is narrower than fp32 (:func:`~lightning_roundpipe.runtime.host.grads.needs_fp32_accumulation`);
+        0 when there are none (e.g. under ``32-true``)."""
+        return sum(self.tensors[k].master.numel() for k in self.layout(layers).tensors
+                   if self.tensors[k].is_param and self.tensors[k].master.requires_grad
+                   and needs_fp32_accumulation(self.tensors[k].dtype))
+
     def chunk_pieces(self, layout: StageLayout, buffer: torch.Tensor, start: int, stop: int
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(device bytes, host bytes)`` pieces that fill ``buffer[start:stop]``."""
@@ -355,10 +379,13 @@ class WeightStore:
                 pieces.append((buffer[lo:hi], src[lo - offset:hi - offset]))
         return pieces
 
-    def resident(self, layout: StageLayout, buffer: torch.Tensor, with_grad: bool) -> ResidentStage:
+    def resident(self, layout: StageLayout, buffer: torch.Tensor, with_grad: bool,
+                 accumulator_buffer: torch.Tensor | None = None) -> ResidentStage:
         """Typed views of a stage's device buffer (the replica's parameters and buffers); with
         ``with_grad``, the trainable parameters' views require grad and those narrower than fp32
-        get a :class:`~lightning_roundpipe.runtime.host.grads.GradAccumulator`."""
+        get a :class:`~lightning_roundpipe.runtime.host.grads.GradAccumulator`, summing into
+        ``accumulator_buffer`` (``uint8``, at least :meth:`accumulator_numel` fp32 elements: a slot of
+        the device's accumulator pool; ``None``: allocated at the first gradient)."""
         views, grad_pairs, buffer_pairs = [], [], []
         for key, offset in zip(layout.tensors, layout.offsets):
             entry = self.tensors[key]
@@ -371,7 +398,8 @@ class WeightStore:
                 buffer_pairs.append((entry.master, view))
             views.append(view)
         low = [(master, view) for master, view in grad_pairs if needs_fp32_accumulation(view.dtype)]
-        return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs, GradAccumulator(low) if low else None)
+        accumulator = GradAccumulator(low, accumulator_buffer) if low else None
+        return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs, accumulator)
 
     @staticmethod
     def own_buffers(resident: ResidentStage) -> None:
@@ -394,6 +422,35 @@ class WeightStore:
         """
         for master, view in resident.buffer_pairs:
             master.copy_(view)
+
+    def rebind_buffers(self) -> int:
+        """Follow the buffers a module replaced since the last call (``bn.running_mean = torch.zeros_like(...)``:
+        Lightning's ``StochasticWeightAveraging`` does so before it recomputes the BatchNorm statistics):
+        the entry's master becomes the module's current tensor, so uploads read it and
+        :meth:`write_back_buffers` writes into it. Main thread only, between calls. Returns how many.
+
+        Raises:
+            ValueError: for a buffer replaced by one of another shape or dtype, or removed (``None``): the
+                stage layouts are fixed for the fit.
+        """
+        rebound = 0
+        for index, (layer, entries) in enumerate(zip(self.layers, self.entries)):
+            for name, key in entries:
+                entry = self.tensors[key]
+                if entry.is_param:
+                    continue
+                current = layer.get_buffer(name)
+                if current is entry.master:
+                    continue
+                if current is None or current.shape != entry.master.shape or current.dtype != entry.master.dtype:
+                    got = "None" if current is None else f"{tuple(current.shape)} {current.dtype}"
+                    raise ValueError(
+                        f"The buffer `{name}` of layer {index} of the pipelined model was replaced during the run by"
+                        f" {got}; RoundPipe laid it out as {tuple(entry.master.shape)} {entry.master.dtype}. HINT: update"
+                        " buffers in place (`buffer.copy_(...)`, `buffer.zero_()`) or keep their shape and dtype.")
+                entry.master, entry.version = current, None
+                rebound += 1
+        return rebound
 
     def grad_bytes(self) -> int:
         """Bytes of the trainable masters' ``.grad`` now (host)."""
