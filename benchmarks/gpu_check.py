@@ -191,19 +191,8 @@ class RoundPipeRecorder(lightning_roundpipe.RoundPipeMetricsCallback):
         self.timelines.append(list(engine._timelines))  # the parent pops them below
         gpus = _gpu_indices(list(engine.devices))
         self.gpu_peaks.append({i: int(torch.cuda.max_memory_allocated(i)) for i in gpus})
-        logged: dict[str, float] = {}
-        log_dict = pl_module.log_dict
-
-        def capture(metrics: dict, *args: Any, **kwargs: Any) -> None:  # this step's keys, as logged
-            logged.update({k: float(v) for k, v in metrics.items()})
-            log_dict(metrics, *args, **kwargs)
-
-        pl_module.log_dict = capture
-        try:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        finally:
-            del pl_module.log_dict
-        self.logged.append(logged)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.logged.append(dict(self.last_metrics))  # this step's keys, as the parent logged them
 
 
 # ------------------------------------------------------------------------------------------ analysis
