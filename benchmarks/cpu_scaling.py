@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_roundpipe  # noqa: E402
+from lightning_roundpipe.runtime.backends.threads import limit_this_thread  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from throughput import RandomTokens  # noqa: E402
@@ -144,7 +145,8 @@ def _simulated_bound(two_engine, devices_one_engine, num_microbatches: int) -> f
 def _plain_two_thread_speedup(args: argparse.Namespace, num_microbatches: int, repeats: int = 3) -> float:
     """The machine's own 2-thread speed-up on this work: plain HF forward+backward of the batch's
     microbatches (the batch cut as the 2-device plan cuts it), all on one thread vs half on each of
-    two threads at once (``torch.set_num_threads(1)`` in each, two model copies). No RoundPipe code
+    two threads at once (one intra-op thread in each, set per thread as the CPU driver sets its
+    threads, two model copies). No RoundPipe code
     runs; what the hardware gives two threads now (shared caches, memory bandwidth, clock, a VM's
     neighbours), a reference for the RoundPipe pair measured just before."""
     import threading
@@ -156,7 +158,7 @@ def _plain_two_thread_speedup(args: argparse.Namespace, num_microbatches: int, r
     batches = [torch.randint(0, args.vocab, (r, args.seq_len)) for r in rows]
 
     def work(model, part) -> None:
-        torch.set_num_threads(1)
+        limit_this_thread(1)  # this thread alone: torch.set_num_threads would set the whole process
         for ids in part:
             model(input_ids=ids, labels=ids).loss.backward()
 
@@ -169,12 +171,8 @@ def _plain_two_thread_speedup(args: argparse.Namespace, num_microbatches: int, r
             t.join()
         return time.perf_counter() - start
 
-    threads = torch.get_num_threads()
-    try:
-        timed([batches[:1], batches[:1]])  # warm-up: both copies (first backward allocates their .grad)
-        ratios = [timed([batches]) / timed([batches[0::2], batches[1::2]]) for _ in range(repeats)]
-    finally:
-        torch.set_num_threads(threads)  # the worker threads' setting is process-wide
+    timed([batches[:1], batches[:1]])  # warm-up: both copies (first backward allocates their .grad)
+    ratios = [timed([batches]) / timed([batches[0::2], batches[1::2]]) for _ in range(repeats)]
     return median(ratios)
 
 

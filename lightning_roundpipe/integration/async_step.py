@@ -111,8 +111,10 @@ class AsyncOptimizer:
         """
         _check_supported(lightning_module, optimizers, engine)
         self.engine = engine
-        # on CPU virtual devices the devices' threads go first; the step takes the idle cycles
-        self.stepper = BackgroundStepper(niceness=10 if all(d.type == "cpu" for d in engine.devices) else None)
+        # on CPU virtual devices the devices' threads go first; the step takes the idle cycles, on one
+        # intra-op thread (an OpenMP team would wait for cores the devices hold)
+        cpu = all(d.type == "cpu" for d in engine.devices)
+        self.stepper = BackgroundStepper(niceness=10 if cpu else None, intra_op_threads=1 if cpu else None)
         engine.store.snapshot = True
         engine.store.refresh(force=True)
         engine.grad_barrier = self.wait

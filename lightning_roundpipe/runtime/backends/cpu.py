@@ -6,8 +6,11 @@ the op runs later, in stream order, on that stream's own worker thread (:class:`
 as a GPU runs a CUDA stream's kernels after the host has moved on. Events are real objects
 (:class:`CpuEvent`): ``record`` enqueues a marker that completes the event when the worker reaches it;
 ``wait_event`` enqueues a marker that blocks the worker until the event completes (on any device);
-the host waits only on events (``host_wait``, ``synchronize``). ``compute`` runs the layers with
-``torch.set_num_threads(1)`` (one core); ``weights``, ``h2d`` and ``d2h`` are the copy engines, whose
+the host waits only on events (``host_wait``, ``synchronize``). ``compute`` runs the layers on one
+intra-op thread (one core; set for the worker thread alone,
+:func:`~lightning_roundpipe.runtime.backends.threads.limit_this_thread`, not with the process-wide
+``torch.set_num_threads``, which stalled the main thread's optimizer step, issue 20); ``weights``,
+``h2d`` and ``d2h`` are the copy engines, whose
 copies are real copies into and out of device-local tensors, so transfers overlap compute as on a GPU
 and a missing dependency edge is a real race.
 
@@ -21,14 +24,14 @@ activation upload goes first (paper section 3.3). With ``link_bytes_per_s`` set,
 at least ``bytes / link_bytes_per_s`` seconds (the modelled PCIe regime); ``None``: as fast as the
 copy runs.
 
-Memory budget: with ``device_memory_bytes`` set, the device counts the bytes that live on it (the
-stage weight pool, uploaded activations, everything its compute creates) and raises
+Memory budget: with ``device_memory_bytes`` set, the device counts the bytes that live on it (its
+pools: stage weights, activation transfers, gradient accumulators; everything its compute creates) and raises
 :class:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryError` before the budget would be
 exceeded (:mod:`~lightning_roundpipe.runtime.backends.budget`).
 
-Debug: with ``copy_delay_s`` > 0 every copy publishes its destination filled with NaN (floats) or
-``-1`` (integers) first, sleeps, and only then copies, so a consumer that does not wait for the
-copy (a missing edge) computes on poison and gives a wrong result.
+Debug: with ``copy_delay_s`` > 0 every copy publishes its (pooled) destination filled with NaN
+(floats) or ``-1`` (integers) first, sleeps, and only then copies, so a consumer that does not wait
+for the copy (a missing edge) computes on poison and gives a wrong result.
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ import time
 from typing import Any, Callable
 
 import torch
-from torch.utils import _pytree as pytree
 
-from lightning_roundpipe.runtime.backends.base import Backend, Publish, tree_nbytes
+from lightning_roundpipe.runtime.backends.base import Backend
 from lightning_roundpipe.runtime.backends.budget import DeviceMemoryLedger
 from lightning_roundpipe.runtime.backends.checker import Access, StreamChecker
+from lightning_roundpipe.runtime.backends.threads import limit_this_thread
 from lightning_roundpipe.schedule.program import STREAMS
 
 _ACTIVATION, _WEIGHTS = 0, 1
@@ -101,7 +104,7 @@ class CpuStream:
         self._thread.start()
 
     def _loop(self) -> None:
-        torch.set_num_threads(1)
+        limit_this_thread(1)
         while True:
             item = self._items.get()
             if item is None:
@@ -164,11 +167,6 @@ class Link:
                 self._cond.notify_all()
 
 
-def _poison(t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(t, memory_format=torch.contiguous_format)
-    return out.fill_(float("nan")) if out.is_floating_point() or out.is_complex() else out.fill_(-1 if out.dtype != torch.bool else True)
-
-
 class CpuBackend(Backend):
     """A CPU virtual device: the asynchronous CPU driver (see the module docstring).
 
@@ -224,7 +222,7 @@ class CpuBackend(Backend):
         return self.memory.counting() if stream == "compute" else contextlib.nullcontext()
 
     def _thread_setup(self, stream: str) -> None:
-        torch.set_num_threads(1)
+        limit_this_thread(1)
 
     # ------------------------------------------------------------------ ordering
     def launch(self, stream: str, work: Callable[[], None], access: Access | None = None, label: str = "",
@@ -272,43 +270,23 @@ class CpuBackend(Backend):
         return lambda: (start.time_s, end.time_s)
 
     # ------------------------------------------------------------------ data
-    def _copy_tree(self, tree: Any, publish: Publish, link: Link, priority: int, to_device: bool = False) -> int:
-        nbytes = tree_nbytes(tree)
-        if to_device and self.memory is not None:
-            self.memory.check(nbytes)  # before the copy allocates
-            inner = publish
-
-            def publish(out: Any) -> None:
-                self.memory.track_tree(out)
-                inner(out)
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, link: Link, priority: int) -> None:
         with link.transfer(nbytes, priority):
             if self.copy_delay_s:
-                pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-                def dest(t: Any) -> Any:
-                    if not isinstance(t, torch.Tensor):
-                        return t
-                    out = _poison(t)
-                    pairs.append((out, t))
-                    return out
-
-                publish(pytree.tree_map(dest, tree))
                 time.sleep(self.copy_delay_s)
-                for out, src in pairs:
-                    out.copy_(src)
-            else:
-                publish(pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree))
-        return nbytes
+            for dst, src in pairs:
+                dst.copy_(src)
 
-    def to_device(self, tree: Any, publish: Publish) -> int:
-        return self._copy_tree(tree, publish, self.h2d_link, _ACTIVATION, to_device=True)
+    def copy_h2d(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
+        self._copy(pairs, nbytes, self.h2d_link, _ACTIVATION)
 
-    def to_host(self, tree: Any, publish: Publish) -> int:
-        return self._copy_tree(tree, publish, self.d2h_link, _ACTIVATION)
+    def copy_d2h(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, gradients: bool = False) -> None:
+        self._copy(pairs, nbytes, self.d2h_link, _WEIGHTS if gradients else _ACTIVATION)
 
-    def allocate_bytes(self, nbytes: int) -> torch.Tensor:
+    def allocate_bytes(self, nbytes: int, what: str | None = None) -> torch.Tensor:
         if self.memory is not None:
-            self.memory.set_where(self.pool_label or f"the stage weight pool (a slot of {nbytes} bytes)")
+            where = f"{what} (a slot of {nbytes} bytes), at {self.memory.where}" if what else None
+            self.memory.set_where(where or self.pool_label or f"the stage weight pool (a slot of {nbytes} bytes)")
             self.memory.check(nbytes)  # before the pool's buffer is allocated
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         if self.memory is not None:
@@ -324,9 +302,16 @@ class CpuBackend(Backend):
     def pop_step_memory_peak(self) -> int | None:
         return None if self.memory is None else self.memory.pop_step_peak()
 
-    def poison(self, buffer: torch.Tensor) -> None:
-        if self.copy_delay_s:
-            buffer.fill_(255)  # NaN in every float format
+    def poison(self, buffers: torch.Tensor | list[torch.Tensor]) -> None:
+        if not self.copy_delay_s:
+            return
+        for buffer in [buffers] if isinstance(buffers, torch.Tensor) else buffers:
+            if buffer.dtype == torch.uint8:
+                buffer.fill_(255)  # NaN in every float format
+            elif buffer.is_floating_point() or buffer.is_complex():
+                buffer.fill_(float("nan"))
+            else:
+                buffer.fill_(-1 if buffer.dtype != torch.bool else True)
 
     def copy_chunk(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
         with self.h2d_link.transfer(nbytes, _WEIGHTS):
@@ -334,10 +319,3 @@ class CpuBackend(Backend):
                 time.sleep(self.copy_delay_s)
             for dst, src in pieces:
                 dst.copy_(src)
-
-    def grads_to_host(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        nbytes = sum(g.numel() * g.element_size() for g in grads)
-        with self.d2h_link.transfer(nbytes, _WEIGHTS):
-            if self.copy_delay_s:
-                time.sleep(self.copy_delay_s)
-            return [g.detach().clone() for g in grads]

@@ -45,6 +45,7 @@ from lightning_roundpipe.metrics.timeline import Interval, Timeline
 from lightning_roundpipe.runtime.execution.access import op_access, round_of
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
 from lightning_roundpipe.runtime.backends.pool import HostStagingPool, pool_slots
+from lightning_roundpipe.runtime.backends.threads import limit_this_thread
 from lightning_roundpipe.runtime.execution.carry import diff_leaves, grad_leaves, grad_positions, snapshot
 from lightning_roundpipe.runtime.execution.devices import StreamThread
 from lightning_roundpipe.runtime.execution.errors import ErrorNotes
@@ -75,8 +76,11 @@ class Executor(TransferOps):
         self.autocast_dtype = autocast_dtype
         self.profiler = None  # a runtime.profiler.LayerProfiler while profiling
         self.replicas = [[LayerReplica(layer) for layer in seq.layers] for _ in backends]
-        self.host = StreamThread("roundpipe-host-grads")
-        self.refresher = StreamThread("roundpipe-host-refresh")
+        # CPU virtual devices own the cores: the host threads, busy while the devices compute, run on
+        # one intra-op thread each (an OpenMP team would wait for cores the devices hold)
+        setup = (lambda: limit_this_thread(1)) if backends and not any(b.is_cuda for b in backends) else None
+        self.host = StreamThread("roundpipe-host-grads", setup)
+        self.refresher = StreamThread("roundpipe-host-refresh", setup)
         self.error_notes = ErrorNotes(seq)
         self.host_pool = HostStagingPool(backends[0].allocate_host_bytes if backends else
                                          (lambda n: torch.empty(n, dtype=torch.uint8)))

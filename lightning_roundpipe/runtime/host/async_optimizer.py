@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Callable
 
+from lightning_roundpipe.runtime.backends.threads import limit_this_thread
 from lightning_roundpipe.runtime.execution.devices import StreamThread
 
 
@@ -26,6 +27,13 @@ def _lower_priority(niceness: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(os.getpriority(os.PRIO_PROCESS, 0), niceness))
     except (AttributeError, OSError):  # not Linux, or not permitted: keep the inherited priority
         pass
+
+
+def _setup_thread(niceness: int | None, intra_op_threads: int | None) -> None:
+    if niceness is not None:
+        _lower_priority(niceness)
+    if intra_op_threads is not None:
+        limit_this_thread(intra_op_threads)
 
 
 class BackgroundStepper:
@@ -43,10 +51,13 @@ class BackgroundStepper:
         name: name of the thread.
         niceness: scheduling niceness of the thread (Linux, 0..19; ``None``: inherit): the devices'
             threads go first, the step takes the idle cycles (ignored where not supported).
+        intra_op_threads: intra-op threads of the thread's CPU ops, set for this thread alone
+            (:func:`~lightning_roundpipe.runtime.backends.threads.limit_this_thread`; ``None``: torch's default).
     """
 
-    def __init__(self, name: str = "roundpipe-optimizer", niceness: int | None = 10) -> None:
-        self._thread = StreamThread(name, setup=None if niceness is None else functools.partial(_lower_priority, niceness))
+    def __init__(self, name: str = "roundpipe-optimizer", niceness: int | None = 10,
+                 intra_op_threads: int | None = None) -> None:
+        self._thread = StreamThread(name, setup=functools.partial(_setup_thread, niceness, intra_op_threads))
         self._done: list[threading.Event] = []
         self._lock = threading.Lock()
         self._error: BaseException | None = None
