@@ -99,26 +99,52 @@ def build_trainer(cfg: DictConfig, strategy: Any, loggers: list[Any], callbacks:
     when a ``ModelCheckpoint`` is among ``callbacks`` (``conf/callbacks/default.yaml`` has one that
     saves on interrupt only; ``callbacks=checkpoint`` also saves ``last.ckpt``) checkpointing is
     switched on, as Lightning refuses a ``ModelCheckpoint`` with ``enable_checkpointing=False``. With
-    the progress bar on and none among ``callbacks``, the bar is a
+    the progress bar on and none among ``callbacks``: where stdout is a terminal, the bar is a
     :class:`~lightning_roundpipe.recipes.callbacks.StepProgressBar` (``Epoch 0``, not ``Epoch 0/-2``,
-    for a run limited by ``max_steps``) when ``rich`` is installed, else Lightning's default.
+    for a run limited by ``max_steps``) when ``rich`` is installed, else Lightning's default; where it
+    is not (a file, a pipe), :class:`~lightning_roundpipe.recipes.callbacks.ProgressLines` prints a line
+    every ``log_every_n_steps`` batches (a live bar would print nothing until it closes).
+
+    ``precision=auto`` (``conf/trainer``'s default) becomes ``bf16-mixed`` where the accelerator computes
+    bf16 natively and ``32-true`` elsewhere (:func:`~lightning_roundpipe.recipes.precision.resolve_precision`),
+    with one ``rank_zero_info`` line saying what was detected, what was chosen and how to override it;
+    the choice is written back into ``cfg.trainer.precision`` (the logged hyperparameters show what ran).
 
     Args:
         overrides: further ``Trainer`` arguments (they win over ``cfg.trainer``).
     """
+    import sys
+
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
     from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+    from omegaconf import read_write
+
+    from lightning_roundpipe.recipes.precision import resolve_precision
 
     callbacks = list(callbacks)
     kwargs: dict[str, Any] = {"strategy": strategy, "logger": loggers or False, "callbacks": callbacks}
     if any(isinstance(c, ModelCheckpoint) for c in callbacks):
         kwargs["enable_checkpointing"] = True
     kwargs.update(overrides)
+    asked = kwargs.get("precision", cfg.trainer.get("precision"))
+    precision, line = resolve_precision(asked, str(kwargs.get("accelerator", cfg.trainer.get("accelerator", "auto"))))
+    if line is not None:
+        rank_zero_info(line)
+    if precision != asked:
+        if "precision" in kwargs:
+            kwargs["precision"] = precision
+        else:
+            with read_write(cfg.trainer):
+                cfg.trainer.precision = precision
     progress_bar = kwargs.get("enable_progress_bar", cfg.trainer.get("enable_progress_bar", True))
-    if progress_bar and _RICH_AVAILABLE and not any(isinstance(c, ProgressBar) for c in callbacks):
-        from lightning_roundpipe.recipes.callbacks import StepProgressBar
+    if progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+        from lightning_roundpipe.recipes.callbacks import ProgressLines, StepProgressBar
 
-        callbacks.append(StepProgressBar())
+        if not (sys.stdout is not None and sys.stdout.isatty()):
+            callbacks.append(ProgressLines())
+        elif _RICH_AVAILABLE:
+            callbacks.append(StepProgressBar())
     return hydra.utils.instantiate(cfg.trainer, **kwargs)
 
 
@@ -126,7 +152,7 @@ def _last_step_metrics(trainer: Any, tokens_per_batch: int | None) -> dict[str, 
     """``step_s``, ``bubble_pct`` and ``tokens_per_s`` of the last training step (RoundPipe's logged
     ``roundpipe/step(s)`` and ``roundpipe/bubble(%)``; tokens/s from ``roundpipe/tokens_per_s`` when
     the strategy logs it, else ``tokens_per_batch / step_s``). Empty without RoundPipe."""
-    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("roundpipe/")}
+    logged = {k: float(v) for k, v in getattr(trainer.strategy, "step_metrics", {}).items() if k.startswith("roundpipe/")}
     out: dict[str, float] = {}
     if "roundpipe/step(s)" in logged:
         out["step_s"] = logged["roundpipe/step(s)"]

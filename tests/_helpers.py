@@ -175,18 +175,44 @@ def fit_params(make: Callable[[], L.LightningModule], data: Dataset, strategy: A
 
 
 class SigintAfter(L.Callback):
-    """Sends this process a real SIGINT (as Ctrl+C does; or ``signal_name``, e.g. ``"SIGTERM"`` as SLURM
-    and ``timeout`` send) after ``steps`` optimizer steps of ``fit``."""
+    """Sends this process a real SIGINT (as Ctrl+C does; or ``signal_name="SIGTERM"``, as SLURM and
+    ``timeout`` send) after ``steps`` optimizer steps of ``fit``, from inside ``on_train_batch_end``, and
+    waits there until the handler has run: for SIGINT, Python's handler raises ``KeyboardInterrupt``
+    in this (the main) thread, which ends the wait; for SIGTERM, Lightning's handler sets
+    ``trainer.received_sigterm`` and Lightning raises at the end of the same batch. So the interrupt
+    lands at step ``steps`` however loaded the machine is, not whenever the signal gets handled.
 
-    def __init__(self, steps: int, signal_name: str = "SIGINT") -> None:
+    Raises:
+        RuntimeError: in the hook, if this process ignores the signal (a SIGINT ignored since the
+            process started: the shell's ``&`` or ``nohup``; the test must start the job with SIGINT at
+            its default), or if the handler has not run ``timeout_s`` seconds after the signal (a
+            safeguard against a hang, not a timing condition).
+    """
+
+    def __init__(self, steps: int, signal_name: str = "SIGINT", timeout_s: float = 120.0) -> None:
+        if signal_name not in ("SIGINT", "SIGTERM"):
+            raise ValueError(f"`signal_name={signal_name!r}`: SIGINT or SIGTERM")
         self.steps = steps
         self.signal_name = signal_name
+        self.timeout_s = timeout_s
         self.sent = False
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step >= self.steps and not self.sent:
-            import os
-            import signal
+        if trainer.global_step < self.steps or self.sent:
+            return
+        import os
+        import signal
+        import time
 
-            self.sent = True
-            os.kill(os.getpid(), getattr(signal, self.signal_name))
+        signum = getattr(signal, self.signal_name)
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            raise RuntimeError(f"this process ignores {self.signal_name} (inherited, e.g. from `nohup` or `&`):"
+                               " start it with the signal at its default")
+        self.sent = True
+        os.kill(os.getpid(), signum)
+        deadline = time.monotonic() + self.timeout_s
+        while not (signum == signal.SIGTERM and trainer.received_sigterm):  # a SIGINT raises in here
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.signal_name} sent at step {trainer.global_step}; its handler had not run"
+                                   f" {self.timeout_s} s later")
+            time.sleep(0.001)

@@ -224,6 +224,39 @@ def test_finer_cut_needs_the_margin(monkeypatch, finer_s, chosen):
     assert choose_partition(engine, profiles).num_microbatches == chosen
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("whole_s", [0.95, 0.91, 0.89, 0.5])
+def test_one_stage_needs_the_margin_on_several_devices(monkeypatch, devices, whole_s):
+    """Issue 20: with more than one device the whole model as one stage (no pipeline) is taken only when
+    the simulator times it at least 10 % (SINGLE_STAGE_MARGIN) faster than the best plan of several
+    stages, and the line says so with both times; otherwise that plan runs. One device: the fastest."""
+    engine, profiles = _engine(devices, 4, [2, 2, 2, 2])
+    lines: list[str] = []
+    engine.info = lines.append
+    num_layers = len(profiles)
+    seen: list[PartitionPlan] = []
+
+    def timed(engine, candidate, profiles, per_round, count):  # several stages: 1 s + 0.1 s a forward stage over 2
+        seen.append(candidate)
+        stages = len(candidate.forward_stages)
+        return whole_s if stages == 1 else 1.0 + 0.1 * (stages - 2)
+
+    monkeypatch.setattr(autopartition, "simulated_step_s", timed)
+    assert autopartition.SINGLE_STAGE_MARGIN == 0.10
+    choice = choose_partition(engine, profiles)
+    best_several_s = 1.0 + 0.1 * (min(len(c.forward_stages) for c in seen if len(c.forward_stages) > 1) - 2)
+    takes_whole = devices == 1 or whole_s <= (1 - 0.10) * best_several_s
+    assert (choice.partition.forward_stages == (range(0, num_layers),)) == takes_whole
+    assert choice.simulated_s == pytest.approx(whole_s if takes_whole else best_several_s)
+    if devices > 1:
+        numbers = (f"the whole model as one stage {whole_s * 1e3:.1f} ms vs {best_several_s * 1e3:.1f} ms for the best"
+                   f" plan of several stages")
+        assert numbers in lines[-1] and f"{100 * (1 - whole_s / best_several_s):.1f}% faster" in lines[-1], lines[-1]
+        assert ("at least the 10% margin required" if takes_whole else "kept a pipeline") in lines[-1], lines[-1]
+    else:
+        assert "one stage" not in lines[-1] and "margin" not in lines[-1], lines[-1]
+
+
 class _Counts(lightning.Callback):
     """Records the microbatches of every training batch; with ``cut_into``, makes the engine cut every
     batch into that many from the first step on."""

@@ -52,7 +52,7 @@ def test_default_composes() -> None:
     cfg = _compose()
     assert cfg.strategy._target_ == "lightning_roundpipe.RoundPipeStrategy"
     assert cfg.strategy.num_microbatches is None
-    assert cfg.trainer.precision == "bf16-mixed"
+    assert cfg.trainer.precision == "auto"  # the app picks bf16-mixed or 32-true (test_main_job_defaults.py)
     assert cfg.model.model._target_ == "lightning_roundpipe.recipes.smollm2.load_smollm2_model"
     assert cfg.model.lora._target_ == "peft.LoraConfig"
     assert cfg.data._target_ == "lightning_roundpipe.recipes.finetune.ShakespeareDataModule"
@@ -88,7 +88,7 @@ def test_experiment_ci_reduces_the_run() -> None:
 
 
 def test_trainer_and_logger_instantiate(tmp_path: Path) -> None:
-    cfg = _compose("trainer.max_steps=5", f"paths.output_dir={tmp_path}")
+    cfg = _compose("trainer.max_steps=5", "trainer.precision=bf16-mixed", f"paths.output_dir={tmp_path}")
     logger = instantiate(cfg.logger.wandb)  # the W&B run starts lazily, not here
     assert logger.save_dir == str(tmp_path)
     trainer = instantiate(cfg.trainer, strategy="auto", devices=1, logger=False, enable_progress_bar=False)
@@ -330,7 +330,7 @@ def test_config_imports_without_torch_or_lightning() -> None:
     assert out.returncode == 0, out.stderr
 
 
-def test_progress_bar_of_a_step_limited_run_shows_no_negative_epoch(tmp_path: Path) -> None:
+def test_progress_bar_of_a_step_limited_run_shows_no_negative_epoch(tmp_path: Path, monkeypatch) -> None:
     """Lightning's RichProgressBar writes `Epoch 0/-2` when `max_steps` is set and `max_epochs` is not
     (Lightning turns it into -1); the app's trainer shows `Epoch 0`."""
     import io
@@ -353,7 +353,13 @@ def test_progress_bar_of_a_step_limited_run_shows_no_negative_epoch(tmp_path: Pa
     assert "Epoch 0/-2" in fit(RichProgressBar)  # the bug this guards against (fails once Lightning fixes it)
     text = fit(StepProgressBar)
     assert "Epoch 0" in text and "Epoch 0/-2" not in text and "3/3" in text
-    # the app installs it (default config: progress bar on, max_steps set, max_epochs -1)
+    # the app installs it where stdout is a terminal (default config: progress bar on, max_steps set,
+    # max_epochs -1); elsewhere ProgressLines (test_main_job_defaults.py)
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
     cfg = _compose(f"paths.output_dir={tmp_path}")
     trainer = build_trainer(cfg, "auto", [], _instantiate_dict(cfg.callbacks), devices=1)
     assert isinstance(trainer.progress_bar_callback, StepProgressBar)

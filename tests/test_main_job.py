@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,13 +22,25 @@ ROOT = Path(__file__).resolve().parents[1]
 LOSS = re.compile(r"^val loss (before|after): ([0-9.]+)$", re.MULTILINE)
 
 
-def start_job(*overrides: str, tmp_path: Path, timeout_s: float) -> tuple[list[str], subprocess.CompletedProcess[str]]:
-    """Run the Hydra app into ``tmp_path/run`` (``tests/`` on the path, for ``_helpers`` callbacks)."""
+def _sigint_default() -> None:
+    """In the child between fork and exec: SIGINT at its default disposition, so that Python installs
+    its ``KeyboardInterrupt`` handler, as in a job started from a terminal. A test run started with
+    SIGINT ignored (the shell's ``&``, ``nohup``) passes the ignore on to every child (dispositions set to
+    ``SIG_IGN`` survive ``exec``; ``restore_signals`` resets SIGPIPE, SIGXFZ and SIGXFSZ only), and
+    Python then leaves SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_job(*overrides: str, tmp_path: Path, timeout_s: float,
+              sigint_default: bool = False) -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    """Run the Hydra app into ``tmp_path/run`` (``tests/`` on the path, for ``_helpers`` callbacks);
+    ``sigint_default``: start it with SIGINT at its default (:func:`_sigint_default`)."""
     path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true", "PYTHONPATH": path,
            "WANDB_DATA_DIR": str(tmp_path / "wandb-data"), "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache")}
     cmd = [sys.executable, "-m", "lightning_roundpipe.train", *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
-    return cmd, subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return cmd, subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
+                               preexec_fn=_sigint_default if sigint_default else None)
 
 
 def run_job(*overrides: str, tmp_path: Path, timeout_s: float) -> tuple[float, float, str]:
@@ -57,17 +70,25 @@ def test_tiny_job(tmp_path: Path) -> None:
     step trace of the first batch after the 3 profiled steps reaches the output folder and the W&B run."""
     import json
 
+    import torch
     from _trace_check import check_trace
     from _wandb_offline import read_run, records
 
     before, after, stdout = run_job(
         "model=tiny_lora", "model.optimizer.lr=1e-2", "trainer.max_steps=6", "trainer.devices=3",
         "strategy.num_microbatches=4", "data.files=[hamlet_gut.txt,macbeth_gut.txt]", "data.val_blocks=16",
-        "logger=many_loggers", "trainer.enable_progress_bar=false",
-        "trainer.precision=32-true",  # this CPU has no native bf16 (~4.5x slower); bf16 paths: test_precision.py
+        "logger=many_loggers",  # precision and progress bar: the defaults
         tmp_path=tmp_path, timeout_s=600,
     )
     assert after < before, stdout
+    # issue 20: `trainer.precision=auto` picks bf16-mixed where the CPU computes bf16 natively (AVX512-BF16 or
+    # AMX-BF16, as torch reads the CPU's features), else 32-true, says so in one line, and logs what ran;
+    # stdout is a pipe here, so the progress comes as lines: every `log_every_n_steps=5` batches and at the last
+    capabilities = torch.cpu.get_capabilities()
+    expected = "bf16-mixed" if capabilities.get("avx512_bf16") or capabilities.get("amx_bf16") else "32-true"
+    (line,) = re.findall(r"Precision: .*", stdout)
+    assert line.startswith(f"Precision: {expected} (trainer.precision=auto;") and "Override with trainer.precision=" in line
+    assert re.findall(r"Epoch 0: (\d+)/6 \(", stdout) == ["5", "6"], stdout[-3000:]
     run_dir = tmp_path / "run"
     assert (run_dir / "adapter" / "adapter_config.json").is_file()
     # the trace and the picture in the output folder (the first logger's log_dir: the CSV logger's)
@@ -82,6 +103,7 @@ def test_tiny_job(tmp_path: Path) -> None:
     # the plan as run: `num_microbatches=4` on 3 devices, cut into 6 by the automatic choice
     # (`balance_microbatches`: 4 leave one device half the batch; 6 give each a third)
     assert run.config["roundpipe/devices"] == 3 and run.config["roundpipe/num_microbatches"] == 6
+    assert run.config["trainer"]["precision"] == expected  # the resolved value, not `auto`
     for d in range(3):
         assert {f"roundpipe/device{d}/{k}" for k in ("bubble(%)", "h2d(GiB/s)", "d2h(GiB/s)")} <= set(run.summary)
     assert "roundpipe/tokens_per_s" in run.summary and "roundpipe/predicted_step(s)" in run.summary
@@ -102,7 +124,7 @@ def test_tiny_job_checkpoint_clipping_no_logger(tmp_path: Path) -> None:
     gradients with the fused AdamW under bf16-mixed (docs/main_job.md)."""
     _, _, stdout = run_job(
         "model=tiny_lora", "trainer.max_steps=2", "trainer.devices=2", "data.files=[hamlet_gut.txt,macbeth_gut.txt]",
-        "data.val_blocks=8", "~logger", "callbacks=checkpoint", "trainer.gradient_clip_val=1.0",
+        "data.val_blocks=8", "~logger", "callbacks=checkpoint", "trainer.gradient_clip_val=1.0", "trainer.precision=bf16-mixed",
         "trainer.enable_progress_bar=false", "save_adapter=false",
         tmp_path=tmp_path, timeout_s=600,
     )
@@ -116,21 +138,26 @@ def test_tiny_job_checkpoint_clipping_no_logger(tmp_path: Path) -> None:
 def test_interrupt_saves_adapter_and_checkpoint(tmp_path: Path, signal_name: str) -> None:
     """A real SIGINT (Ctrl+C) or SIGTERM (SLURM, `timeout`) after 2 of 6 steps: Lightning's `on_exception`
     hooks save the LoRA adapter and a checkpoint at step 2 (conf/callbacks/default.yaml); the job exits
-    with status 1 (SIGINT) or stops without finishing fit (SIGTERM)."""
+    with status 1 (SIGINT) or stops without finishing fit (SIGTERM). The callback sends the signal
+    inside step 2 and waits there for its handler (`_helpers.SigintAfter`); the job starts with SIGINT
+    at its default, as from a terminal, also when this test run was started with SIGINT ignored."""
     import torch
 
     cmd, out = start_job(
         "model=tiny_lora", "trainer.max_steps=6", "trainer.devices=2", "data.files=[hamlet_gut.txt,macbeth_gut.txt]",
         "data.seq_len=32", "data.batch_size=4", "data.val_blocks=4", "trainer.precision=32-true", "~logger",
         "trainer.enable_progress_bar=false", "+callbacks.sigint._target_=_helpers.SigintAfter", "+callbacks.sigint.steps=2",
-        f"+callbacks.sigint.signal_name={signal_name}", tmp_path=tmp_path, timeout_s=600,
+        f"+callbacks.sigint.signal_name={signal_name}", tmp_path=tmp_path, timeout_s=600, sigint_default=True,
     )
     log = out.stdout + out.stderr
     if signal_name == "SIGINT":
         assert out.returncode == 1, f"{' '.join(cmd)}: exit {out.returncode}\n{log[-4000:]}"
-    assert "val loss after" not in out.stdout  # interrupted inside fit
+        assert "Detected KeyboardInterrupt" in log, log[-4000:]
+    else:  # Lightning's SIGTERMException is a SystemExit without a code: the job exits 0 after saving
+        assert "Received SIGTERM" in log and "SIGTERMException after 2 steps" in log, log[-4000:]
+    assert "val loss after" not in out.stdout, log[-4000:]  # interrupted inside fit
     run = tmp_path / "run"
-    assert (run / "adapter" / "adapter_config.json").is_file() and (run / "adapter" / "adapter_model.safetensors").is_file()
+    assert (run / "adapter" / "adapter_config.json").is_file() and (run / "adapter" / "adapter_model.safetensors").is_file(), log[-4000:]
     (ckpt,) = (run / "checkpoints").glob("*.ckpt")
     assert ckpt.name == "interrupted-step=2.ckpt"
     state = torch.load(ckpt, map_location="cpu", weights_only=False)

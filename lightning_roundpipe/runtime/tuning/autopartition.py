@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.execution.microbatch import split_sizes
+from lightning_roundpipe.runtime.tuning.optimizer_mode import measured_optimizer_rate, mode_step_s
 from lightning_roundpipe.schedule import build_stages, default_stage_ranges
 
 
@@ -48,6 +49,14 @@ class PlanChoice:
 BALANCE_MARGIN = 0.02
 """A finer cut of the batch (:func:`split_options`) is taken only when the simulator times it at
 least this much (a fraction of the step) faster than the best plan on the configured microbatches."""
+
+SINGLE_STAGE_MARGIN = 0.10
+"""With more than one device, the whole model as one stage (no pipeline: each device runs every layer
+of its microbatches) is taken only when the simulator times it at least this much (a fraction of the
+step) faster than the best plan of several stages; the choice's line then gives both times. The
+margin stands for what the simulator does not see of such a plan: it is timed on per-layer times
+profiled on stages of the first plan, and with no stage boundary a device holds the whole model's
+weights and every layer's activations of a microbatch at once."""
 
 
 def split_options(engine: Any, num_microbatches: int, rows: int) -> list[int]:
@@ -133,11 +142,15 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
     Candidates: what each of the partitioner's methods proposes (DESIGN.md section 6), the uniform
     asymmetric cuts (forward stages of 1..4 layers, backward stages of 1..2) and the whole model as
     one fused stage (no recomputation at all; with rounds, microbatches go to the devices in turn),
-    each only where every stage fits the stage memory budget; each with every option of
-    :func:`round_options`. The simulator times the program each would run (same microbatches, fused
+    each only where every stage fits the stage memory budget; the partitions whose stage count is
+    a multiple of the devices around the optimal one's (:func:`filling_candidates`); each with
+    every option of :func:`round_options`. The simulator times the program each would run (same microbatches, fused
     or not, the same link) and the fastest wins (ties: listed first, so fewer rounds and the
-    partitioner's own cut). The partitioner's objective, ``max(S, D) x`` the largest stage cost,
-    does not see the fill and drain of the round robin, which dominate with few devices and
+    partitioner's own cut), with two margins: a finer cut of the batch must be
+    :data:`BALANCE_MARGIN` faster, and with more than one device a plan of one stage (no pipeline)
+    must be :data:`SINGLE_STAGE_MARGIN` faster than the best plan of several stages (the line says
+    so with both times either way). The partitioner's objective, ``max(S, D) x`` the largest stage
+    cost, does not see the fill and drain of the round robin, which dominate with few devices and
     microbatches.
     """
     from lightning_roundpipe.partition import METHODS, auto_partition, plan_objective_s, stage_memory
@@ -165,6 +178,7 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
     if fits(whole, whole):
         candidates.append(PartitionPlan(whole, whole, plan_objective_s(PartitionPlan(whole, whole), profiles,
                                                                         len(engine.backends))))
+    candidates += filling_candidates(profiles, len(engine.backends), budget, candidates[0])
     counts = split_options(engine, engine._last_call[0], sum(engine._last_sizes))
     timed = []
     for count in counts:
@@ -172,20 +186,61 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
             for i, candidate in enumerate(candidates):
                 timed.append((simulated_step_s(engine, candidate, profiles, per_round, count), len(timed), i,
                               per_round, count))
-    best = min(t for t in timed if t[4] == counts[0])
-    finer = [t for t in timed if t[4] != counts[0]]
-    if finer and min(finer)[0] < (1 - BALANCE_MARGIN) * best[0]:
-        best = min(finer)
+
+    def fastest(entries: list[tuple]) -> tuple:  # a finer cut only by BALANCE_MARGIN
+        best = min(t for t in entries if t[4] == counts[0])
+        finer = [t for t in entries if t[4] != counts[0]]
+        return min(finer) if finer and min(finer)[0] < (1 - BALANCE_MARGIN) * best[0] else best
+
+    devices = len(engine.backends)
+    best = fastest(timed)
+    single = ""
+    if devices > 1 and one_stage(candidates[best[2]]):
+        several = [t for t in timed if not one_stage(candidates[t[2]])]
+        if several:
+            pipelined = fastest(several)
+            gain = 1 - best[0] / pipelined[0]
+            other = candidates[pipelined[2]]
+            numbers = (f"the whole model as one stage {best[0] * 1e3:.1f} ms vs {pipelined[0] * 1e3:.1f} ms for the"
+                       f" best plan of several stages (candidate {pipelined[2]}: {len(other.forward_stages)} forward,"
+                       f" {len(other.backward_stages)} backward), {100 * gain:.1f}% faster")
+            if gain >= SINGLE_STAGE_MARGIN:
+                single = (f"; one stage on {devices} devices (no pipeline, microbatches to the devices in turn):"
+                          f" {numbers}, at least the {100 * SINGLE_STAGE_MARGIN:.0f}% margin required")
+            else:
+                single = (f"; kept a pipeline: {numbers}, under the {100 * SINGLE_STAGE_MARGIN:.0f}% margin"
+                          " one stage needs on several devices")
+                best = pipelined
     best_s, _, index, per_round, count = best
     cut = "" if count == counts[0] else f", the batch cut into {count} microbatches instead of {counts[0]}"
-    devices, reason = len(engine.backends), no_split_reason(engine)
+    reason = no_split_reason(engine)
     if engine.balance_microbatches and devices > 1 and counts[0] % devices and reason is not None:
         cut += f"; no cut into a multiple of the {devices} devices: {reason}"
     engine.info(f"RoundPipe: simulated step of {len(candidates)} candidate partitions x"
-                f" {len(timed) // len(candidates)} microbatch options: {best_s * 1e3:.1f} .."
+                f" {len(timed) // len(candidates)} microbatch options: {min(t[0] for t in timed) * 1e3:.1f} .."
                 f" {max(t[0] for t in timed) * 1e3:.1f} ms; chose candidate {index} with"
-                f" {describe_rounds(per_round, count)}{cut} (simulated step {best_s * 1e3:.1f} ms)")
+                f" {describe_rounds(per_round, count)}{cut} (simulated step {best_s * 1e3:.1f} ms){single}")
     return PlanChoice(candidates[index], per_round, best_s, None if count == counts[0] else count)
+
+
+def one_stage(partition: PartitionPlan) -> bool:
+    """Whether ``partition`` is the whole model as one stage (one forward and one backward stage)."""
+    return len(partition.forward_stages) == 1 and len(partition.backward_stages) == 1
+
+
+def filling_candidates(profiles: Sequence[LayerProfile], num_devices: int, budget: int | None,
+                       base: PartitionPlan) -> list[PartitionPlan]:
+    """Partitions whose stage count (the fused tail counted) is a multiple of the devices, around
+    ``base``'s count (:func:`~lightning_roundpipe.partition.candidates.filling_stage_counts`), each
+    the smallest largest stage cost with that count, where one exists (DESIGN.md section 6)."""
+    from lightning_roundpipe.partition import filling_stage_counts, partition_with_stage_count, stage_count
+
+    out = []
+    for count in filling_stage_counts(stage_count(base), num_devices):
+        plan = partition_with_stage_count(profiles, count, budget)
+        if plan is not None:
+            out.append(plan)
+    return out
 
 
 def describe_rounds(microbatches_per_round: int | None, num_microbatches: int) -> str:
@@ -219,26 +274,31 @@ def simulated_step_s(engine: Any, partition: PartitionPlan, profiles: Sequence[L
                      microbatches_per_round: int | None = None, num_microbatches: int | None = None) -> float:
     """Simulated time of one step of the last call's shape (rows, fused or not) under ``partition``
     with ``microbatches_per_round``, seconds; the batch cut into ``num_microbatches`` (``None``: as
-    the last call was)."""
+    the last call was). In the run's own optimizer mode, the host's optimizer step included
+    (:func:`~lightning_roundpipe.runtime.tuning.optimizer_mode.mode_step_s`)."""
     from lightning_roundpipe.simulate import simulate_program
 
     last, fused = engine._last_call
     num_microbatches = last if num_microbatches is None else num_microbatches
+    stages = fused_stages(partition) if fused else None
     if fused:
-        plans = [engine._build_plan(fused_stages(partition), num_microbatches, 0, microbatches_per_round)]
+        plans = [engine._build_plan(stages, num_microbatches, 0, microbatches_per_round)]
     else:
         plan = engine._build_plan(build_stages(partition.forward_stages, partition.backward_stages), num_microbatches, 0,
                              microbatches_per_round)
         plans = [plan.phase("forward"), plan.phase("backward")]
     hardware, weights = engine.hardware_model(), engine.microbatch_weights(num_microbatches)
-    return sum(simulate_program(engine._lower(p), profiles, hardware, microbatch_weights=weights).iteration_s
-               for p in plans)
+    drained = sum(simulate_program(engine._lower(p), profiles, hardware, microbatch_weights=weights).iteration_s
+                  for p in plans)
+    return mode_step_s(engine, drained, stages, profiles, microbatches_per_round, num_microbatches)
 
 
 def hardware_model(engine: Any):
     """The link model the prediction uses: on CUDA the pinned H2D/D2H rates measured with every GPU
     copying at once, the slowest GPU's (bytes/s; duplex taken as the H2D rate); on CPU virtual devices the modelled link, or
-    ``None`` when copies are unthrottled (transfers then cost nothing in the prediction)."""
+    ``None`` when copies are unthrottled (transfers then cost nothing in the prediction). It carries
+    the host's optimizer rate measured during the profiled steps
+    (:func:`~lightning_roundpipe.runtime.tuning.optimizer_mode.measured_optimizer_rate`), when known."""
     from lightning_roundpipe.partition.profile import HardwareModel
 
     if engine.backends[0].is_cuda:
@@ -251,7 +311,8 @@ def hardware_model(engine: Any):
         h2d = d2h = engine.cpu_link_bytes_per_s
     else:
         return None
-    return HardwareModel(flops_per_s=1.0, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, h2d_duplex_bytes_per_s=h2d)
+    return HardwareModel(flops_per_s=1.0, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, h2d_duplex_bytes_per_s=h2d,
+                         host_optimizer_bytes_per_s=measured_optimizer_rate(engine))
 
 
 def microbatch_weights(sizes: Sequence[int], num_microbatches: int,
