@@ -9,8 +9,8 @@ Prints the stage table (layers, bytes, seconds per microbatch, forward and backw
 device-by-step grid of the round-robin plan, predicted tokens/s, per-device idle %, peak device
 memory and the longest sequence that fits. No weights are allocated: layer costs come from
 :mod:`lightning_roundpipe.partition.costmodel` (arithmetic on the config), times of the whole step
-from :mod:`lightning_roundpipe.simulate.steady` in the run's own optimizer mode (DESIGN.md section
-11): ``--optimizer sync`` is one pipeline with fill and drain plus the host's optimizer step,
+from :mod:`lightning_roundpipe.simulate.steady` in the run's own optimizer mode (docs/partitioner.md;
+design section 11): ``--optimizer sync`` is one pipeline with fill and drain plus the host's optimizer step,
 ``--optimizer async`` the steady state with one-step-stale weights, where the next step's forward
 stages fill this step's drain and the optimizer step overlaps. The partition is the candidate
 (:func:`~lightning_roundpipe.partition.candidates.candidate_partitions`, each with one round or
