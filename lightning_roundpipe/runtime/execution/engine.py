@@ -299,7 +299,6 @@ class RoundPipeEngine:
         self._programs.clear()
         self._predictions.clear()
 
-    # ------------------------------------------------------------------ plans
     def plan(self, num_microbatches: int, cursor: int, fused: bool = False) -> ExecutionPlan:
         """The validated full-step plan (forward then backward stages) starting at ``cursor``.
 
@@ -536,7 +535,6 @@ class RoundPipeEngine:
             self._timelines.append(timeline)
             self._step_programs.append(program)
 
-    # ------------------------------------------------------------------ profiling, automatic partition
     def end_step(self) -> PartitionPlan | None:
         """Call after every training step: folds the step's layer timings into the profile; after
         the profiled steps, keeps the measured profiles (for :meth:`predict_s`) and, with
@@ -589,7 +587,6 @@ class RoundPipeEngine:
             out, self._step_programs = self._step_programs, []
         return out
 
-    # ------------------------------------------------------------------ metrics
     def host_memory(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> HostMemory:
         """Host bytes of the model's parameters by category (masters, shadows, gradients, host
         gradient buffers at the peak since the last call, the state of ``optimizers``), trainable
