@@ -394,13 +394,9 @@ def _even_cut(tab: _Tables, stop: int, count: int, W: float, budget: float, back
     """Layers ``[0, stop)`` in ``count`` stages (the fewest within ``W``), re-cut as evenly as possible
     (:func:`balanced_stage_layers`: its largest stage cost is ``<= W``); the greedy packing within
     ``W`` if a re-cut stage exceeds the memory budget. Returns ascending ranges."""
-    if count == 0:
-        return []
-    costs = (tab.b if backward else tab.f)[:stop].tolist()
-    even = list(balanced_stage_layers(costs, count))
-    if all(tab.mem(r.start, r.stop, backward) <= budget for r in even):
-        return even
-    return _pack(tab, 0, stop, W, budget, backward)
+    from lightning_roundpipe.partition.candidates import _cut_exactly  # the same cut at the fewest count
+
+    return _cut_exactly(tab, stop, count, W, budget, backward)
 
 
 def _pack(tab: _Tables, start: int, stop: int, W: float, budget: float, backward: bool) -> list[range]:
