@@ -31,7 +31,9 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Default largest all-reduce bucket across nodes, bytes of fp32 gradients (25 MiB, as DDP's ``bucket_cap_mb``)."""
 
 PARTITION_MODES = ("auto", "default")
+DISPATCH_MODES = ("auto", "round_robin", "weighted")
 OPTIMIZER_MODES = ("sync", "async")
+FROZEN_WEIGHT_MODES = (None, "fp8")
 
 
 def _is_int(value: Any) -> bool:
@@ -212,12 +214,29 @@ class RoundPipeConfig:
     a buffer whose producer or last reader its stream has not waited for (a missing dependency), at the
     cost of some host time per op."""
 
-    device_memory_bytes: int | None = None
-    """``int > 0`` or ``None``, bytes; default ``None``: unlimited on CPU virtual devices, the GPU's memory on
-    CUDA. Memory of one device. CPU virtual devices enforce it: a step that would hold more on a device
-    (weights, saved activations, per-op outputs) raises ``DeviceMemoryError`` (a ``torch.OutOfMemoryError``)
-    naming the stage, the bytes asked and the budget. On GPUs it replaces the device's total memory in the
-    automatic partition's per-stage budget (half of it)."""
+    device_memory_bytes: int | tuple[int, ...] | None = None
+    """``int > 0``, a list of them (one per device: devices of unequal memory) or ``None``, bytes; default
+    ``None``: unlimited on CPU virtual devices, the GPU's memory on CUDA. Memory of one device. CPU virtual
+    devices enforce it: a step that would hold more on a device (weights, saved activations, per-op outputs)
+    raises ``DeviceMemoryError`` (a ``torch.OutOfMemoryError``) naming the stage, the bytes asked and the
+    budget. On GPUs it replaces the device's total memory in the automatic partition's per-stage budget
+    (half of it). With a list, the round robin needs every stage within half of the smallest; the weighted
+    ``dispatch`` places each stage only on devices whose half holds it (DESIGN.md section 12)."""
+
+    cpu_device_speeds: tuple[float, ...] | None = None
+    """A list of finite numbers > 0, one per device, or ``None``; default ``None``: every CPU virtual device
+    at the host's speed. CPU virtual devices only: relative compute speeds (scaled so the fastest is 1.0),
+    e.g. ``[1.0, 0.5]``: device 1's compute thread sleeps as long as each op ran, so its work really takes
+    twice as long and its stream order is unchanged; mixed GPUs reproduced on a CPU (DESIGN.md section 12).
+    The speeds are measured like a GPU's after the warm-up step."""
+
+    dispatch: str = "auto"
+    """``"auto"``, ``"round_robin"`` or ``"weighted"``; default ``"auto"``. Which device runs each stage:
+    ``"round_robin"``, the paper's (stage k on device k mod D); ``"weighted"``, each stage to the device
+    that would finish it first given its measured speed and load, only on devices whose memory holds it
+    (faster devices take more stages, larger ones larger stages); ``"auto"``: the round robin until the
+    profiled steps are over, then, on devices that differ in measured speed or in memory, the one the
+    simulator times faster (the weighted one by a 3 % margin), said in the automatic choice's line."""
 
     optimizer: str = "sync"
     """``"sync"`` or ``"async"``; default ``"sync"``: Lightning's exact semantics, the optimizer step runs
@@ -233,6 +252,16 @@ class RoundPipeConfig:
     peak_flops: float | None = None
     """``float > 0`` or ``None``, FLOP/s of one device in the compute dtype (dense); default ``None``:
     looked up by GPU name (``runtime.flops.PEAK_FLOPS``), no ``roundpipe/mfu(%)`` on CPU."""
+
+    frozen_weights: str | None = None
+    """``"fp8"`` or ``None``; default ``None``: frozen matmul weights held and uploaded in the compute dtype
+    (bf16 under ``bf16-mixed``), as ever. ``"fp8"``: the frozen matmul weights (2-D ``nn.Linear`` /
+    Hugging Face ``Conv1D`` weights with ``requires_grad=False``: a LoRA base's projections) are converted
+    once, when the strategy sets up, layer by layer, to fp8 (e4m3) with one fp32 scale per output channel,
+    held so on the host (about 1 byte per parameter), uploaded so (half of bf16's bytes) and dequantised
+    to the compute dtype on the devices right before use. Norms, embeddings, tied or trainable weights stay
+    as they are. Checkpoints leave the fp8 weights out; after the run they hold their fp8-rounded values
+    (docs/usage.md, *fp8 frozen weights*)."""
 
     data_parallel: DataParallel = field(default_factory=DataParallel)
     """:class:`DataParallel` (or a mapping of its fields); default ``DataParallel()``. Data parallelism
@@ -288,9 +317,31 @@ class RoundPipeConfig:
         if self.check_streams is not None and not isinstance(self.check_streams, bool):
             raise TypeError(f"`check_streams` must be True, False or None, got {self.check_streams!r}."
                             " HINT: None follows LIGHTNING_ROUNDPIPE_CHECK_STREAMS.")
-        if self.device_memory_bytes is not None:
+        if isinstance(self.device_memory_bytes, Sequence) and not isinstance(self.device_memory_bytes, (str, bytes)):
+            per_device = tuple(self.device_memory_bytes)
+            if not per_device:
+                raise ValueError("`device_memory_bytes` is an empty list. HINT: one int (bytes) per device, one int"
+                                 " for all devices, or None.")
+            for index, value in enumerate(per_device):
+                _check_positive(f"device_memory_bytes[{index}]", value, integer=True,
+                                hint="one positive int (bytes) per device, e.g. [256 * 2**20, 64 * 2**20]")
+            object.__setattr__(self, "device_memory_bytes", per_device)
+        elif self.device_memory_bytes is not None:
             _check_positive("device_memory_bytes", self.device_memory_bytes, integer=True,
-                            hint="e.g. 64 * 2**20 for 64 MiB per device")
+                            hint="e.g. 64 * 2**20 for 64 MiB per device, or one int per device")
+        speeds = self.cpu_device_speeds
+        if speeds is not None:
+            if isinstance(speeds, (str, bytes)) or not isinstance(speeds, Sequence) or not speeds:
+                raise ValueError(f"`cpu_device_speeds` must be a list of relative speeds, one per device, or None, got"
+                                 f" {speeds!r}. HINT: cpu_device_speeds=[1.0, 0.5] makes device 1 half as fast.")
+            for index, value in enumerate(speeds):
+                _check_positive(f"cpu_device_speeds[{index}]", value, integer=False,
+                                hint="relative speeds, one per device, e.g. [1.0, 0.5]")
+            object.__setattr__(self, "cpu_device_speeds", tuple(float(v) for v in speeds))
+        if not isinstance(self.dispatch, str) or self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"`dispatch` must be one of {list(DISPATCH_MODES)}, got {self.dispatch!r}. HINT: 'auto'"
+                             " keeps the round robin unless the simulator times the weighted dispatch faster on"
+                             " devices of unequal speed or memory.")
         if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZER_MODES:
             raise ValueError(
                 f"`optimizer` must be one of {list(OPTIMIZER_MODES)}, got {self.optimizer!r}. HINT: 'sync' (default)"
@@ -309,6 +360,13 @@ class RoundPipeConfig:
                 raise ValueError(f"`peak_flops` must be a finite number of FLOP/s > 0 per device, or None, got {peak!r}."
                                  " HINT: 165.2e12 is an RTX 4090's dense bf16 peak; None looks known GPUs up by name.")
             object.__setattr__(self, "peak_flops", float(peak))
+        if self.frozen_weights not in FROZEN_WEIGHT_MODES:
+            near = self.frozen_weights.strip().lower() if isinstance(self.frozen_weights, str) else None
+            hint = (f"use {near!r} (lowercase)" if near is not None and near in FROZEN_WEIGHT_MODES else
+                    "'fp8' holds the frozen matmul weights (a LoRA base) in fp8 with per-channel scales; None (the"
+                    " default) keeps them in the compute dtype")
+            raise ValueError(f"`frozen_weights` must be one of {list(FROZEN_WEIGHT_MODES)}, got {self.frozen_weights!r}."
+                             f" HINT: {hint}; from the command line `strategy.frozen_weights=fp8` or `=null`.")
 
         data_parallel = self.data_parallel
         if isinstance(data_parallel, Mapping):  # e.g. a dict or a Hydra DictConfig

@@ -129,7 +129,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help=f"model shape preset, one of {preset_names()}")
     src.add_argument("--model", metavar="PATH", help="a local Hugging Face config.json (file or folder)")
-    p.add_argument("--devices", type=int, default=8, help="number of devices D (default 8)")
+    p.add_argument("--devices", default="8",
+                   help="number of devices D (default 8), or a list of mixed devices: known GPUs by name"
+                        " (4090,4090,3090,3060; see `partition.devices.KNOWN_GPUS`) or bf16 TFLOP/s:memory GiB pairs"
+                        " (330:24,142:24), which then replace --tflops and --device-memory-gib; a list prints the plan"
+                        " and prediction of both dispatch rules, round robin and weighted by device speed and memory"
+                        " (docs/partitioner.md)")
     p.add_argument("--device-memory-gib", type=float, default=24.0, help="memory of one device, GiB (default 24)")
     p.add_argument("--stage-memory-gib", type=float, default=None,
                    help="per-stage memory budget, GiB (default: half of --device-memory-gib, as the next stage is prefetched)")
@@ -171,13 +176,42 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 # ---------------------------------------------------------------------- building the report
-def make_report(args: argparse.Namespace) -> PlanReport:
-    """Compute the plan and its predictions from parsed `roundpipe plan` arguments.
+@dataclass(frozen=True)
+class PlanInputs:
+    """`roundpipe plan`'s validated arguments (:func:`plan_inputs`)."""
+
+    shape: ModelShape
+    hardware: HardwareModel
+    cost_model: CostModel
+    lora: LoRASpec | None
+    num_devices: int
+    num_microbatches: int
+    stage_memory_bytes: int
+    optimizer: str
+    accumulate_grad_batches: int
+    method: str
+
+    def modelled(self, seq_len: int, microbatch_size: int, dtype_bytes: int) -> ModelledProfiles:
+        """The layer sequence's modelled costs at ``seq_len`` x ``microbatch_size``."""
+        return model_profiles(self.shape, self.hardware, seq_len=seq_len, microbatch_size=microbatch_size,
+                              compute_dtype_bytes=dtype_bytes, lora=self.lora, cost_model=self.cost_model)
+
+
+def plan_inputs(args: argparse.Namespace) -> PlanInputs:
+    """Validate parsed `roundpipe plan` arguments (``args.devices`` a count: an int or its digits) and
+    load the model's shape.
 
     Raises:
-        ValueError: a bad argument value (named, with the valid range), or a layer that does not fit
-            the per-stage memory budget.
+        ValueError: a bad argument value (named, with the valid range).
     """
+    if isinstance(args.devices, str):
+        from lightning_roundpipe.cli.mixed_plan import parse_devices
+
+        count = parse_devices(args.devices)
+        if not isinstance(count, int):
+            raise ValueError("`--devices` lists devices; `make_report` plans a count of equal devices."
+                             " HINT: `lightning_roundpipe.cli.mixed_plan.make_mixed_report` plans a device list.")
+        args.devices = count
     for name in ("devices", "seq_len", "microbatch_size", "lora_rank"):
         v = getattr(args, name)
         if v < 1:
@@ -234,10 +268,24 @@ def make_report(args: argparse.Namespace) -> PlanReport:
     budget = hw.memory_bytes // 2 if args.stage_memory_gib is None else int(args.stage_memory_gib * GiB)
     if not 0 < budget <= hw.memory_bytes:
         raise ValueError(f"`--stage-memory-gib` must be in (0, --device-memory-gib], got {args.stage_memory_gib}.")
+    return PlanInputs(shape=shape, hardware=hw, cost_model=cm, lora=lora, num_devices=D, num_microbatches=M,
+                      stage_memory_bytes=budget, optimizer=optimizer, accumulate_grad_batches=accumulate, method=method)
+
+
+def make_report(args: argparse.Namespace) -> PlanReport:
+    """Compute the plan and its predictions from parsed `roundpipe plan` arguments (a count of equal
+    devices; a device list is :func:`~lightning_roundpipe.cli.mixed_plan.make_mixed_report`'s).
+
+    Raises:
+        ValueError: a bad argument value (named, with the valid range), or a layer that does not fit
+            the per-stage memory budget.
+    """
+    given = plan_inputs(args)
+    hw, D, M, budget = given.hardware, given.num_devices, given.num_microbatches, given.stage_memory_bytes
+    optimizer, accumulate, method = given.optimizer, given.accumulate_grad_batches, given.method
 
     def modelled(seq_len: int, mb: int) -> ModelledProfiles:
-        return model_profiles(shape, hw, seq_len=seq_len, microbatch_size=mb, compute_dtype_bytes=args.dtype_bytes,
-                              lora=lora, cost_model=cm)
+        return given.modelled(seq_len, mb, args.dtype_bytes)
 
     mp = modelled(args.seq_len, args.microbatch_size)
     if method == "auto":
@@ -506,7 +554,14 @@ def _truncated_grid(plan: ExecutionPlan, max_rows: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """`roundpipe plan`: print the report; exit status 2 on a bad input (message on stderr)."""
+    from lightning_roundpipe.cli import mixed_plan
+
     try:
+        devices = mixed_plan.parse_devices(args.devices) if isinstance(args.devices, str) else args.devices
+        if not isinstance(devices, int):
+            print(mixed_plan.format_mixed_report(mixed_plan.make_mixed_report(args, devices), args.grid_rows))
+            return 0
+        args.devices = devices
         report = make_report(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"roundpipe plan: error: {e}", file=sys.stderr)

@@ -59,7 +59,10 @@ class RoundPipeMetricsCallback(Callback):
     async, the larger of the two,
     :func:`~lightning_roundpipe.runtime.tuning.optimizer_mode.step_with_optimizer_s`), ``roundpipe/host_memory(GiB)`` the host bytes of the model's parameters
     (masters, compute copies, gradients and their host buffers, optimizer state; see
-    :func:`~lightning_roundpipe.runtime.host.memory.host_memory`), ``roundpipe/boundary_bytes_per_microbatch(bytes)``
+    :func:`~lightning_roundpipe.runtime.host.memory.host_memory`), ``roundpipe/frozen_host_bytes_per_param(bytes)``
+    and ``roundpipe/frozen_matmul_host_bytes_per_param(bytes)`` those bytes per frozen parameter and per frozen
+    matmul weight parameter (about 1 with ``frozen_weights="fp8"``, 2 in bf16), ``roundpipe/h2d_weights(bytes)``
+    the weight bytes uploaded in the step (all devices), ``roundpipe/boundary_bytes_per_microbatch(bytes)``
     the mean bytes of one microbatch's carry at a stage boundary, what each hop moves device -> host
     -> device (:func:`~lightning_roundpipe.metrics.step.boundary_hop_bytes`). With
     ``RoundPipeStrategy(optimizer="async")`` also ``roundpipe/optimizer_thread(s)`` and
@@ -131,6 +134,9 @@ class RoundPipeMetricsCallback(Callback):
         timelines = engine.pop_timelines()
         metrics = step_metrics(timelines, step_s=step_s, optimizer_s=optimizer_s, predicted_step_s=predicted,
                                host_memory_bytes=memory.total_bytes, programs=programs)
+        for key, group in (("frozen", memory.frozen), ("frozen_matmul", memory.frozen_matmul)):
+            if metrics and group.num_params:  # host bytes per frozen (matmul) parameter: 4 fp32, 2 bf16, ~1 fp8
+                metrics[f"roundpipe/{key}_host_bytes_per_param(bytes)"] = group.total_bytes / group.num_params
         async_optimizer = getattr(trainer.strategy, "async_optimizer", None)
         if metrics and async_optimizer is not None:
             metrics.update(async_optimizer.pop_metrics())

@@ -28,11 +28,14 @@ from lightning_roundpipe.adapters.base import check_not_compiled
 from lightning_roundpipe.config import DEFAULT_TRACE_EVERY_N_STEPS, DataParallel, RoundPipeConfig
 from lightning_roundpipe.integration import data_parallel as dp
 from lightning_roundpipe.integration.async_step import AsyncOptimizer
+from lightning_roundpipe.integration.frozen_fp8 import FrozenFp8
 from lightning_roundpipe.integration.precision import RoundPipePrecision, frozen_rounding_note
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
 from lightning_roundpipe.runtime.execution.replica import diverged_attributes
+from lightning_roundpipe.runtime.backends import smallest_stage_budget
 from lightning_roundpipe.runtime.tuning.autopartition import describe_rounds
+from lightning_roundpipe.runtime.tuning.mixed import configure_devices, describe_devices, follow_profiles
 from lightning_roundpipe.runtime.tuning.plan_state import CHECKPOINT_KEY, plan_state, restore_plan_state
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES
 
@@ -55,14 +58,14 @@ def format_stage_table(stages: Sequence[Any], layer_names: Sequence[str]) -> str
     return "\n".join(rows)
 
 
-def stage_memory_bytes(devices: Sequence[torch.device], device_memory_bytes: int | None) -> int | None:
+def stage_memory_bytes(devices: Sequence[torch.device], device_memory_bytes: int | Sequence[int] | None) -> int | None:
     """The memory budget of one stage on one worker: half of a device's memory (double buffering: the
-    next stage is prefetched). ``device_memory_bytes`` (one worker's memory) when given; else, on
-    GPUs, the first GPU's total memory shared by the logical workers on one GPU
+    next stage is prefetched). ``device_memory_bytes`` (one worker's memory; with one per worker, the
+    smallest) when given; else, on GPUs, the first GPU's total memory shared by the logical workers on one GPU
     (``parallel_devices=[torch.device("cuda:0")] * 4``: four workers with their own streams on one
     GPU; the most crowded GPU counts); ``None`` on CPU virtual devices without a budget."""
     if device_memory_bytes is not None:
-        return device_memory_bytes // 2
+        return smallest_stage_budget(device_memory_bytes)
     first = torch.device(devices[0])
     if first.type != "cuda":
         return None
@@ -101,7 +104,8 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     Args:
         num_microbatches, module, partition, profile_steps, fused_loss, forward_stages,
             backward_stages, chunk_bytes, microbatches_per_round, balance_microbatches, cpu_link_bytes_per_s,
-            debug_copy_delay_s, check_streams, device_memory_bytes, optimizer, trace_every_n_steps, peak_flops, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
+            debug_copy_delay_s, check_streams, device_memory_bytes, cpu_device_speeds, dispatch, optimizer,
+            trace_every_n_steps, peak_flops, frozen_weights, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
             (type, unit, default and meaning are documented there), gathered into :attr:`config`. In
             short: ``num_microbatches`` (default devices + 1), ``module`` (the attribute to pipeline),
             ``partition`` (``"auto"``: re-cut from ``profile_steps`` profiled steps), ``fused_loss``
@@ -109,11 +113,15 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             loss only), explicit ``forward_stages``/``backward_stages``, ``chunk_bytes`` (weight
             upload chunk), ``microbatches_per_round``, ``balance_microbatches`` (the automatic choice
             may cut the batch into a multiple of the devices), ``cpu_link_bytes_per_s`` and
-            ``debug_copy_delay_s`` (CPU virtual devices), ``device_memory_bytes`` (one device's memory,
-            enforced on CPU virtual devices), ``optimizer`` (``"sync"`` or ``"async"``,
-            see *Asynchronous optimizer* below), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
+            ``debug_copy_delay_s`` (CPU virtual devices), ``device_memory_bytes`` (one device's memory, or
+            one per device; enforced on CPU virtual devices), ``cpu_device_speeds`` (CPU virtual devices'
+            relative speeds, e.g. ``[1.0, 0.5]``), ``dispatch`` (``"auto"``, ``"round_robin"`` or
+            ``"weighted"``: devices of unequal speed or memory, DESIGN.md section 12), ``optimizer``
+            (``"sync"`` or ``"async"``, see *Asynchronous optimizer* below), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
             timeline PNG every N batches into ``<trainer.log_dir>/roundpipe/`` and W&B, with a logger; 0: off),
             ``peak_flops`` (device peak FLOP/s for ``roundpipe/mfu(%)``; looked up by GPU name),
+            ``frozen_weights`` (``"fp8"``: the frozen matmul weights, a LoRA base, held and uploaded in fp8;
+            :mod:`~lightning_roundpipe.integration.frozen_fp8`),
             ``data_parallel`` (:class:`~lightning_roundpipe.DataParallel`: the data parallelism across
             nodes, ``Trainer(num_nodes=N)`` with one process per node; ignored with one node).
         config: a :class:`~lightning_roundpipe.RoundPipeConfig` instead of those keyword arguments
@@ -187,10 +195,13 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         cpu_link_bytes_per_s: float | None = None,
         debug_copy_delay_s: float = 0.0,
         check_streams: bool | None = None,
-        device_memory_bytes: int | None = None,
+        device_memory_bytes: int | Sequence[int] | None = None,
+        cpu_device_speeds: Sequence[float] | None = None,
+        dispatch: str = "auto",
         optimizer: str = "sync",
         trace_every_n_steps: int | None = DEFAULT_TRACE_EVERY_N_STEPS,
         peak_flops: float | None = None,
+        frozen_weights: str | None = None,
         data_parallel: DataParallel | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -205,8 +216,9 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
                  "microbatches_per_round": microbatches_per_round, "balance_microbatches": balance_microbatches,
                  "cpu_link_bytes_per_s": cpu_link_bytes_per_s,
                  "debug_copy_delay_s": debug_copy_delay_s, "check_streams": check_streams,
-                 "device_memory_bytes": device_memory_bytes, "optimizer": optimizer,
-                 "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops,
+                 "device_memory_bytes": device_memory_bytes, "cpu_device_speeds": cpu_device_speeds,
+                 "dispatch": dispatch, "optimizer": optimizer,
+                 "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops, "frozen_weights": frozen_weights,
                  "data_parallel": DataParallel() if data_parallel is None else data_parallel}
         self.config = _make_config(config, given)
         # the plugin used while none is set; not stored in `_precision_plugin`, which Lightning reads as the user's choice
@@ -224,6 +236,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         self._warned_fused = False
         self._warned_rounding = False  # the frozen matmul weights come back rounded (once per strategy)
         self._warned_attributes = False  # layer attributes differ from the replicas' (once per strategy)
+        self._fp8 = FrozenFp8()  # frozen_weights="fp8": announcements, checkpoint keys, the after-run warning
         self._train_batches_started = 0
         self._restored_plan: dict[str, Any] | None = None  # the checkpoint's engine state (load_checkpoint)
         self._finished_plan: dict[str, Any] | None = None  # the last engine's state, kept at teardown
@@ -248,10 +261,13 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     debug_copy_delay_s = property(lambda self: self.config.debug_copy_delay_s, doc="`RoundPipeConfig.debug_copy_delay_s`.")
     device_memory_bytes = property(lambda self: self.config.device_memory_bytes,
                                    doc="`RoundPipeConfig.device_memory_bytes`.")
+    cpu_device_speeds = property(lambda self: self.config.cpu_device_speeds, doc="`RoundPipeConfig.cpu_device_speeds`.")
+    dispatch = property(lambda self: self.config.dispatch, doc="`RoundPipeConfig.dispatch`.")
     optimizer_mode = property(lambda self: self.config.optimizer, doc="`RoundPipeConfig.optimizer`.")
     trace_every_n_steps = property(lambda self: self.config.trace_every_n_steps or 0,
                                    doc="`RoundPipeConfig.trace_every_n_steps` (0: off).")
     peak_flops = property(lambda self: self.config.peak_flops, doc="`RoundPipeConfig.peak_flops`.")
+    frozen_weights = property(lambda self: self.config.frozen_weights, doc="`RoundPipeConfig.frozen_weights`.")
     data_parallel = property(lambda self: self.config.data_parallel, doc="`RoundPipeConfig.data_parallel`.")
 
     # ------------------------------------------------------------------ precision
@@ -298,12 +314,14 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
                                                   autocast_dtype=precision.autocast_dtype,
                                                   stage_memory_bytes=stage_memory, loss_seed=precision.loss_seed)
         self.engine.info = rank_zero_info
+        configure_devices(self.engine, self.cpu_device_speeds, self.dispatch)  # mixed devices (DESIGN.md section 12)
         self.engine.on_fused_call = self._warn_fused_once
         self.engine.host_barrier = self.wait_for_optimizer
         self.engine.install()
         if fitting:
             restore_plan_state(self.engine, self._restored_plan)  # resuming (`ckpt_path`): Lightning loads it first
         self._announce(seq, devices, fitting)
+        self._fp8.setup(self.engine.store, self.lightning_module, target)
         rounding = frozen_rounding_note(self.engine.store.frozen_in_compute_dtype, precision.compute_dtype,
                                         precision.precision)
         if rounding is not None and not self._warned_rounding:
@@ -341,6 +359,8 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
                 f" ({describe_rounds(engine.microbatches_per_round, count)}{cut}),"
                 f" precision {self.precision_plugin.precision}, optimizer {self.optimizer_mode!r}, fused loss {fused}\n"
                 + format_stage_table(engine.fused_stages if fused == "on" else engine.stages, seq.layer_names))
+        devices_line = describe_devices(engine)
+        text += f"\n{devices_line}" if devices_line else ""
         if text != self._announced:
             self._announced = text
             rank_zero_info(text)
@@ -392,6 +412,8 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._train_batches_started += 1
+        if self.engine is not None:
+            follow_profiles(self.engine)  # the weighted dispatch balances the measured stage costs once known
         # after the first training step: warn early, not only at teardown (with "async" the step's backward
         # stages may still run now, so only teardown, after the drain, reads the replicas)
         if self._train_batches_started == 2 and self._async is None:
@@ -468,8 +490,15 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Also leaves out the fp8 frozen weights (``frozen_weights="fp8"``: the base comes from its files)."""
         self.wait_for_optimizer()
-        return super().lightning_module_state_dict()
+        return self._fp8.checkpoint_state(super().lightning_module_state_dict)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """A checkpoint that left fp8 frozen weights out loads with exactly those keys missing."""
+        if not self._fp8.load_state_dict(self.lightning_module, checkpoint, strict):
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, torch.Tensor]:
@@ -485,6 +514,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         state = self._finished_plan if self.engine is None else plan_state(self.engine)
         if state is not None:
             checkpoint = {**checkpoint, CHECKPOINT_KEY: state}
+        checkpoint = {**checkpoint, **self._fp8.checkpoint_entry()}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -493,6 +523,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         hooks see the checkpoint as under Lightning's strategies)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._restored_plan = checkpoint.pop(CHECKPOINT_KEY, None)
+        self._fp8.take_from_checkpoint(checkpoint)
         if self.engine is not None:
             restore_plan_state(self.engine, self._restored_plan)
         return checkpoint
@@ -523,6 +554,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             restore = self.engine.seq.restore  # what building the layer sequence changed (HF gradient checkpointing)
             self.engine.close()
             self.engine = None
+            self._fp8.after_teardown()  # the fp8 weights hold rounded values now: saving them warns once
             if restore is not None:
                 restore()
         if self._callback is not None and self.lightning_module is not None and self.lightning_module._trainer is not None:

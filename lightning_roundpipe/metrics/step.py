@@ -46,6 +46,8 @@ def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe", *, st
 
     Per device ``d``: ``compute(s)``, ``idle(s)`` (step wall time minus compute), ``bubble(%)``
     (idle / step wall time, the step including the optimizer), ``h2d(bytes)``, ``d2h(bytes)``,
+    ``h2d_weights(bytes)`` (the part of ``h2d(bytes)`` that is weight chunks: ``LOAD`` s on the
+    ``weights`` stream; also summed over devices as ``h2d_weights(bytes)``),
     ``h2d(GiB/s)`` and ``d2h(GiB/s)`` (bytes / seconds spent in those transfers; 0 when nothing
     moved), ``peak_weights(bytes)`` (most weight bytes resident at once, when recorded). Step-wide:
     ``step(s)`` (``step_s`` when given: the whole step, phases, the gaps between them and the
@@ -75,6 +77,7 @@ def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe", *, st
     if hops:
         out[f"{prefix}/boundary_bytes_per_microbatch(bytes)"] = sum(hops) / len(hops)
     bubbles = []
+    weight_bytes = 0
     for d in range(n):
         compute = sum(t.compute_s(d) for t in timelines)
         idle = max(0.0, wall - compute)
@@ -89,8 +92,13 @@ def step_metrics(timelines: Sequence[Timeline], prefix: str = "roundpipe", *, st
             secs = sum(t.transfer_s(d, kind) for t in timelines)
             out[f"{key}/{kind.lower()}(bytes)"] = float(nbytes)
             out[f"{key}/{kind.lower()}(GiB/s)"] = nbytes / GIB / secs if secs > 0 else 0.0
+        weights = sum(i.nbytes for t in timelines for i in t.intervals
+                      if i.device_index == d and i.kind == "H2D" and i.stream == "weights")
+        out[f"{key}/h2d_weights(bytes)"] = float(weights)
+        weight_bytes += weights
         peaks = [t.peak_resident_bytes[d] for t in timelines if t.peak_resident_bytes is not None]
         if peaks:
             out[f"{key}/peak_weights(bytes)"] = float(max(peaks))
     out[f"{prefix}/bubble(%)"] = sum(bubbles) / n
+    out[f"{prefix}/h2d_weights(bytes)"] = float(weight_bytes)
     return out

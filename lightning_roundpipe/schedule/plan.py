@@ -110,7 +110,10 @@ class ExecutionPlan:
         """
         keep = {s.stage_index for s in self.stages if s.kind == kind}
         acts = tuple(tuple(a for a in dev if a.stage_index in keep) for dev in self.actions)
-        return ExecutionPlan(self.stages, acts, self.num_microbatches, self.max_resident_stages)
+        out = ExecutionPlan(self.stages, acts, self.num_microbatches, self.max_resident_stages)
+        # the devices' speeds (timed by the simulator) and where stages may run (sizes the weight pools)
+        out._meta.update({k: self._meta[k] for k in ("dispatch_rule", "device_speeds", "stage_devices") if k in self._meta})
+        return out
 
     # ------------------------------------------------------------------ dependencies
     def dependencies(self, action: Action) -> tuple[Action, ...]:

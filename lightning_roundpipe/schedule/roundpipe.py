@@ -5,7 +5,10 @@ the tail first). Stage ``k`` of that order runs on device ``(cursor + k) mod D``
 stage for every microbatch before it takes its next stage. No stage is bound to a device (no weight
 binding), so the cursor carries over between calls: the next plan starts where this one stopped.
 :func:`build_steady_state_plan` builds K consecutive iterations as one plan (the steady state,
-DESIGN.md section 11), with the rotation continuing from one iteration to the next.
+DESIGN.md section 11), with the rotation continuing from one iteration to the next. On devices of
+unequal speed or memory both builders take a weighted dispatch instead of the rotation
+(:mod:`~lightning_roundpipe.schedule.dispatch`, DESIGN.md section 12): the same plan shape, each
+stage on the device that would finish it first.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from lightning_roundpipe.schedule.dispatch import DispatchPolicy, assign_devices
 from lightning_roundpipe.schedule.ir import Action, ActionKind
 from lightning_roundpipe.schedule.plan import ExecutionPlan, StageSpec
 
@@ -66,8 +70,9 @@ def build_roundpipe_plan(
     cursor: int = 0,
     prefetch: bool = True,
     microbatches_per_round: int | None = None,
+    dispatch: DispatchPolicy | None = None,
 ) -> ExecutionPlan:
-    """Build and validate the round-robin plan.
+    """Build and validate the round-robin plan (or, with a weighted ``dispatch``, its weighted variant).
 
     Args:
         stages: from :func:`build_stages`, in plan order.
@@ -84,23 +89,29 @@ def build_roundpipe_plan(
             next round starts on the first device to become free. ``None``: one round of all
             ``M`` (every stage is loaded once per step). ``K`` training steps back to back are
             :func:`build_steady_state_plan`.
+        dispatch: which device runs each dispatch (stage and round) and the devices' relative
+            speeds (:class:`~lightning_roundpipe.schedule.dispatch.DispatchPolicy`): ``None`` or the
+            ``"round_robin"`` rule place stage ``k`` of round ``r`` as above; the ``"weighted"`` rule
+            by earliest finish given each device's speed and load, only on devices whose memory
+            holds the stage, ``cursor`` breaking ties. ``plan._meta["device_speeds"]`` (the
+            simulator's per-device speeds) and ``plan._meta["stage_devices"]`` come from it.
 
     Returns:
         A validated :class:`ExecutionPlan`; ``plan_next_cursor(plan)`` gives the cursor for the next call.
 
     Raises:
         ValueError: for ``num_devices``, ``num_microbatches`` or ``microbatches_per_round`` below 1,
-            or an empty ``stages``.
+            an empty ``stages``, or a ``dispatch`` that does not match the stages and devices.
     """
     _check_builder_args(stages, num_devices, num_microbatches, microbatches_per_round)
     per_round = microbatches_per_round or num_microbatches
     rounds = [range(first, min(first + per_round, num_microbatches)) for first in range(0, num_microbatches, per_round)]
-    actions, slot = _round_robin(stages, num_devices, rounds, cursor, prefetch)
+    actions, next_cursor = _dispatch(stages, num_devices, rounds, cursor, prefetch, dispatch)
     plan = ExecutionPlan(tuple(stages), actions, num_microbatches, max_resident_stages=2 if prefetch else 1)
-    plan._meta["next_cursor"] = slot % num_devices
-    plan._meta["cursor"] = cursor % num_devices
+    plan._meta.update(_policy_meta(dispatch), next_cursor=next_cursor, cursor=cursor % num_devices)
     plan._meta["builder"] = dict(stages=tuple(stages), num_devices=num_devices, num_microbatches=num_microbatches,
-                                 cursor=cursor, prefetch=prefetch, microbatches_per_round=microbatches_per_round)
+                                 cursor=cursor, prefetch=prefetch, microbatches_per_round=microbatches_per_round,
+                                 dispatch=dispatch)
     return plan.validate()
 
 
@@ -189,6 +200,7 @@ def build_steady_state_plan(
     prefetch: bool = True,
     microbatches_per_round: int | None = None,
     validate: bool = True,
+    dispatch: DispatchPolicy | None = None,
 ) -> ExecutionPlan:
     """``num_iterations`` consecutive training iterations as one round-robin plan (DESIGN.md
     section 11; paper section 4).
@@ -217,6 +229,8 @@ def build_steady_state_plan(
             (``None``: one round per iteration).
         validate: run :meth:`ExecutionPlan.validate` (the simulator's hot path skips it; the
             builder's plans are validated by the tests for every shape it builds).
+        dispatch: as :func:`build_roundpipe_plan` (the weighted rule's device loads carry on from
+            one iteration to the next).
 
     Returns:
         An :class:`ExecutionPlan` of ``K * M`` microbatches (validated unless ``validate=False``);
@@ -232,12 +246,12 @@ def build_steady_state_plan(
     per_round = microbatches_per_round or num_microbatches
     rounds = [range(k * num_microbatches + first, k * num_microbatches + min(first + per_round, num_microbatches))
               for k in range(num_iterations) for first in range(0, num_microbatches, per_round)]
-    actions, slot = _round_robin(stages, num_devices, rounds, cursor, prefetch)
+    actions, next_cursor = _dispatch(stages, num_devices, rounds, cursor, prefetch, dispatch)
     plan = ExecutionPlan(tuple(stages), actions, num_iterations * num_microbatches, max_resident_stages=2 if prefetch else 1)
-    plan._meta.update(next_cursor=slot % num_devices, cursor=cursor % num_devices, steady_state=spec,
+    plan._meta.update(_policy_meta(dispatch), next_cursor=next_cursor, cursor=cursor % num_devices, steady_state=spec,
                       builder=dict(stages=tuple(stages), num_devices=num_devices, num_microbatches=num_microbatches,
                                    cursor=cursor, prefetch=prefetch, microbatches_per_round=microbatches_per_round,
-                                   num_iterations=num_iterations))
+                                   num_iterations=num_iterations, dispatch=dispatch))
     return plan.validate() if validate else plan
 
 
@@ -254,17 +268,27 @@ def _check_builder_args(stages: Sequence[StageSpec], num_devices: int, num_micro
         raise ValueError("`stages` is empty: a plan needs at least one stage.")
 
 
-def _round_robin(stages: Sequence[StageSpec], num_devices: int, rounds: Sequence[range], cursor: int,
-                 prefetch: bool) -> tuple[tuple[tuple[Action, ...], ...], int]:
-    """Per-device action lists of the round robin over ``rounds`` (each: every stage on those
-    microbatches), and the slot after the last dispatch (``next_cursor`` before ``mod D``)."""
+def _policy_meta(dispatch: DispatchPolicy | None) -> dict:
+    """What a plan keeps of its dispatch policy: the devices' speeds (the simulator's) and where each
+    stage may run (the weight pools' sizes)."""
+    if dispatch is None:
+        return {"dispatch_rule": "round_robin"}
+    return {"dispatch_rule": dispatch.rule, "device_speeds": dispatch.device_speeds,
+            "stage_devices": dispatch.stage_devices}
+
+
+def _dispatch(stages: Sequence[StageSpec], num_devices: int, rounds: Sequence[range], cursor: int, prefetch: bool,
+              dispatch: DispatchPolicy | None) -> tuple[tuple[tuple[Action, ...], ...], int]:
+    """Per-device action lists over ``rounds`` (each: every stage on those microbatches), the devices
+    placed by ``dispatch`` (:func:`~lightning_roundpipe.schedule.dispatch.assign_devices`), and the
+    next cursor."""
     # dispatches in execution order: (stage, microbatches of its round), device of each
+    placed, next_cursor = assign_devices(stages, num_devices, rounds, cursor, dispatch)
     per_device: list[list[tuple[StageSpec, range]]] = [[] for _ in range(num_devices)]
-    slot = cursor
+    order = iter(placed)
     for mbs in rounds:
         for spec in stages:
-            per_device[slot % num_devices].append((spec, mbs))
-            slot += 1
+            per_device[next(order)].append((spec, mbs))
     actions: list[tuple[Action, ...]] = []
     for dispatches in per_device:
         acts: list[Action] = []
@@ -280,7 +304,7 @@ def _round_robin(stages: Sequence[StageSpec], num_devices: int, rounds: Sequence
             acts.extend(Action(spec.stage_index, spec.compute_kind, m) for m in mbs)
             acts.append(Action(spec.stage_index, ActionKind.DROP))
         actions.append(tuple(acts))
-    return tuple(actions), slot
+    return tuple(actions), next_cursor
 
 
 def plan_next_cursor(plan: ExecutionPlan) -> int:

@@ -19,7 +19,9 @@ It never models what the program does not contain: no reordering, no preemption,
   bound baseline (``_meta["weight_binding"]``, simulated only) keeps the LM head's activations
   (the sequence's last layer is not recomputed, as in Megatron-LM and the paper's artifact); ``B``
   = sum of ``backward_s``, times ``1 - weight_grad_fraction`` when the stage has ``W`` ops (ZB-H1),
-  whose ``W`` = ``weight_grad_fraction`` x sum of ``backward_s``.
+  whose ``W`` = ``weight_grad_fraction`` x sum of ``backward_s``. Profiles are times on a device of
+  speed 1; a compute op on device ``d`` takes its time over ``plan._meta["device_speeds"][d]``
+  (the relative speeds the builder's dispatch policy names, DESIGN.md section 12; 1 without).
 - **Transfers** (bytes / (bytes/s)): ``LOAD`` chunk = ``op.nbytes`` / ``h2d_bytes_per_s``, and
   ``WD2H`` = ``op.nbytes`` / ``d2h_bytes_per_s``; free without ``hardware``. Activations
   (``H2D``, ``GH2D``, ``D2H``) move the ``activation_bytes`` of the layer boundary they cross over
@@ -86,6 +88,7 @@ class _CostModel:
                  microbatch_weights: Sequence[float] | None = None) -> None:
         plan = program.plan
         self.hardware, self.comm_s_per_hop, self.weight_grad_fraction = hardware, comm_s_per_hop, weight_grad_fraction
+        self.device_speeds = plan._meta.get("device_speeds") or (1.0,) * plan.num_devices
         self.microbatch_weights = None if microbatch_weights is None else [float(w) for w in microbatch_weights]
         self.stages = plan.stages
         self.activation_bytes = [p.activation_bytes for p in profiles]
@@ -222,9 +225,9 @@ class _Engine:
             self.waiting[at] += len(producers)
         self.fixed_s: list[float | None] = []
         self.nbytes: list[int] = []
-        for op in self.ops:
+        for op, device_index in zip(self.ops, self.devices):
             if op.kind.is_compute:
-                self.fixed_s.append(costs.compute_s(op))
+                self.fixed_s.append(costs.compute_s(op) / costs.device_speeds[device_index])
                 self.nbytes.append(0)
             else:
                 self.fixed_s.append(costs.fixed_transfer_s(op))
@@ -566,7 +569,8 @@ def simulate(
     per_iteration = builder["num_microbatches"]
     long_plan = build_steady_state_plan(  # the runtime's builder; rounds never span two iterations
         builder["stages"], builder["num_devices"], per_iteration, steady_iterations, cursor=builder["cursor"],
-        prefetch=builder["prefetch"], microbatches_per_round=builder["microbatches_per_round"])
+        prefetch=builder["prefetch"], microbatches_per_round=builder["microbatches_per_round"],
+        dispatch=builder.get("dispatch"))
     if isinstance(weight_staleness, bool) or not isinstance(weight_staleness, int) or weight_staleness < 0:
         raise ValueError(f"`weight_staleness` must be an int >= 0 (optimizer steps), got {weight_staleness!r}."
                          " HINT: 1 for the paper's asynchronous optimizer, 0 for the synchronous one.")

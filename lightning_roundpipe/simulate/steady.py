@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from lightning_roundpipe.metrics.timeline import Timeline
+from lightning_roundpipe.partition.devices import MixedDevices
 from lightning_roundpipe.partition.partitioner import schedule_ranges
 from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES
 from lightning_roundpipe.schedule.plan import StageSpec
 from lightning_roundpipe.schedule.program import STREAMS
+from lightning_roundpipe.schedule.dispatch import DispatchPolicy
 from lightning_roundpipe.schedule.roundpipe import OPTIMIZER_MODES, build_stages, build_steady_state_plan
 from lightning_roundpipe.schedule.steady import SteadyStateProgram, lower_steady_state
 from lightning_roundpipe.simulate.engine import _CostModel, _Engine, _intervals, _Run, _check_inputs
@@ -278,6 +280,7 @@ def simulate_training(
     comm_s_per_hop: float | None = None,
     microbatch_weights: Sequence[float] | None = None,
     record_timeline: bool = True,
+    dispatch: DispatchPolicy | None = None,
 ) -> TrainingPrediction:
     """Predict the training step of the run's own optimizer mode (DESIGN.md section 11).
 
@@ -304,6 +307,9 @@ def simulate_training(
         comm_s_per_hop: seconds per activation hop (overrides the bytes-based activation times).
         microbatch_weights: per microbatch of an iteration, its relative size.
         record_timeline: as :func:`simulate_steady_program`.
+        dispatch: the builder's dispatch policy (rule and device speeds, DESIGN.md section 12;
+            ``None``: the round robin on equal devices); compute ops take their time over their
+            device's speed.
 
     Returns:
         A :class:`TrainingPrediction`; ``step_s`` per iteration (batch).
@@ -326,7 +332,7 @@ def simulate_training(
                          f" {first} is the first measured), got {num_windows!r}.")
     plan = build_steady_state_plan(stages, num_devices, num_microbatches, windows * accumulate_grad_batches,
                                    optimizer=optimizer, accumulate_grad_batches=accumulate_grad_batches, cursor=cursor,
-                                   microbatches_per_round=microbatches_per_round, validate=False)
+                                   microbatches_per_round=microbatches_per_round, validate=False, dispatch=dispatch)
     profiles = list(profiles)
     weights = [sum(profiles[i].param_bytes for i in spec.layers) for spec in plan.stages]
     grads = [0 if spec.kind == "forward" else sum(profiles[i].grad_bytes for i in spec.layers) for spec in plan.stages]
@@ -375,24 +381,40 @@ def choose_for_mode(
     round_options: Sequence[int | None] = (None,),
     accumulate_grad_batches: int = 1,
     comm_s_per_hop: float | None = None,
+    devices: MixedDevices | None = None,
+    dispatch_rule: str = "round_robin",
 ) -> ModeChoice:
     """The fastest candidate in the run's own mode: each labelled partition with each option of
     ``round_options`` is timed by :func:`simulate_training`; the smallest ``step_s`` wins (ties: the
     earlier candidate, then the earlier round option).
 
+    ``devices`` (devices of unequal speed or memory, DESIGN.md section 12) with ``dispatch_rule``
+    (``"round_robin"`` or ``"weighted"``) gives each candidate's plan its
+    :meth:`~lightning_roundpipe.partition.devices.MixedDevices.policy`; a candidate with a stage
+    that fits no device is skipped.
+
     Raises:
-        ValueError: no candidates, or as :func:`simulate_training`.
+        ValueError: no candidates, no candidate that fits the devices, or as :func:`simulate_training`.
     """
     if not candidates:
         raise ValueError("`candidates` is empty: pass at least one (label, PartitionPlan).")
     best: ModeChoice | None = None
     for label, partition in candidates:
         stages = partition_stages(partition)
+        policy = None
+        if devices is not None:
+            try:
+                policy = devices.policy(dispatch_rule, stages, profiles)
+            except ValueError:  # a stage no device holds
+                continue
         for per_round in round_options:
             prediction = simulate_training(stages, num_devices, num_microbatches, profiles, hardware, optimizer=optimizer,
                                            optimizer_bytes=optimizer_bytes, accumulate_grad_batches=accumulate_grad_batches,
                                            microbatches_per_round=per_round, comm_s_per_hop=comm_s_per_hop,
-                                           record_timeline=False)
+                                           record_timeline=False, dispatch=policy)
             if best is None or prediction.step_s < best.prediction.step_s * (1 - 1e-12):
                 best = ModeChoice(optimizer, label, partition, per_round, prediction)
+    if best is None:
+        raise ValueError(f"No candidate partition fits the devices' memory for the {dispatch_rule!r} rule."
+                         " HINT: devices with more memory, or a smaller microbatch or sequence.")
     return best

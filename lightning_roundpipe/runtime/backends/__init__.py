@@ -12,7 +12,7 @@ from lightning_roundpipe.runtime.backends.checker import StreamChecker, StreamCh
 from lightning_roundpipe.runtime.backends.cpu import CpuBackend, Link
 
 __all__ = ["Backend", "CpuBackend", "DeviceMemoryError", "DeviceMemoryLedger", "Link", "StreamCheckError",
-           "StreamChecker", "make_backends", "step_memory_peaks", "tree_nbytes"]
+           "StreamChecker", "make_backends", "per_device_bytes", "smallest_stage_budget", "step_memory_peaks", "tree_nbytes"]
 
 
 def step_memory_peaks(backends: Sequence[Backend]) -> list[int] | None:
@@ -29,8 +29,33 @@ def step_memory_peaks(backends: Sequence[Backend]) -> list[int] | None:
     return None if any(p is None for p in peaks) else peaks
 
 
+def per_device_bytes(device_memory_bytes: int | Sequence[int] | None, num_devices: int) -> list[int | None]:
+    """``device_memory_bytes`` (one budget for every device, one per device, or ``None``) as one entry
+    per device.
+
+    Raises:
+        ValueError: an entry that is not a positive int, or a list of another length than the devices.
+    """
+    if device_memory_bytes is None:
+        return [None] * num_devices
+    values = [device_memory_bytes] * num_devices if isinstance(device_memory_bytes, int) else list(device_memory_bytes)
+    if len(values) != num_devices or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        raise ValueError(f"`device_memory_bytes` must be a positive int (bytes), one per device ({num_devices}), or None,"
+                         f" got {device_memory_bytes!r}. HINT: e.g. `device_memory_bytes=64 * 2**20` for 64 MiB per CPU"
+                         " virtual device, or `[256 * 2**20, 64 * 2**20]` for two devices of unequal memory.")
+    return values
+
+
+def smallest_stage_budget(device_memory_bytes: int | Sequence[int] | None) -> int | None:
+    """Half of the smallest device's memory (the per-stage budget every device can give: the next stage
+    is prefetched), bytes; ``None`` without a budget."""
+    if device_memory_bytes is None:
+        return None
+    return (device_memory_bytes if isinstance(device_memory_bytes, int) else min(device_memory_bytes)) // 2
+
+
 def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float | None = None,
-                  debug_copy_delay_s: float = 0.0, device_memory_bytes: int | None = None,
+                  debug_copy_delay_s: float = 0.0, device_memory_bytes: int | Sequence[int] | None = None,
                   check_streams: bool | None = None) -> list[Backend]:
     """One backend per device: :class:`CpuBackend` for ``cpu`` entries, ``CudaBackend`` for ``cuda:i``.
 
@@ -39,7 +64,8 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
         cpu_link_bytes_per_s: CPU virtual devices: modelled host link rate per direction, bytes/s
             (``None``: unthrottled).
         debug_copy_delay_s: CPU virtual devices: every copy lands this many seconds late (debugging).
-        device_memory_bytes: CPU virtual devices: each device's memory budget, enforced as
+        device_memory_bytes: CPU virtual devices: each device's memory budget, bytes, one for all or one
+            per device (mixed devices), enforced as
             :class:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryError` (``None``: unlimited);
             GPUs have their real memory (a CUDA out-of-memory error is the same exception's base class).
         check_streams: CPU virtual devices: the checking mode (one
@@ -64,14 +90,11 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
         check_link_rate(cpu_link_bytes_per_s)
     if not (isinstance(debug_copy_delay_s, (int, float)) and 0 <= debug_copy_delay_s < float("inf")):
         raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {debug_copy_delay_s!r}.")
-    if device_memory_bytes is not None and (not isinstance(device_memory_bytes, int) or isinstance(device_memory_bytes, bool)
-                                            or device_memory_bytes < 1):
-        raise ValueError(f"`device_memory_bytes` must be a positive int (bytes) or None, got {device_memory_bytes!r}."
-                         " HINT: e.g. `device_memory_bytes=64 * 2**20` for 64 MiB per CPU virtual device.")
+    budgets = per_device_bytes(device_memory_bytes, len(devices))
     kind = devices[0].type if devices else "cpu"
     if kind == "cpu":
         checker = StreamChecker() if (checking_default() if check_streams is None else check_streams) else None
-        return [CpuBackend(i, cpu_link_bytes_per_s, debug_copy_delay_s, device_memory_bytes, checker)
+        return [CpuBackend(i, cpu_link_bytes_per_s, debug_copy_delay_s, budgets[i], checker)
                 for i in range(len(devices))]
     if kind == "cuda":
         from lightning_roundpipe.runtime.backends.cuda import CudaBackend

@@ -29,6 +29,15 @@ pools: stage weights, activation transfers, gradient accumulators; everything it
 :class:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryError` before the budget would be
 exceeded (:mod:`~lightning_roundpipe.runtime.backends.budget`).
 
+Speed (mixed devices, DESIGN.md section 12): with :meth:`CpuBackend.set_speed` below 1.0 each op on
+the compute worker lasts ``1 / speed`` times the CPU time its thread spent on it: after the op (and,
+inside an op, at every :meth:`~CpuBackend.mark`, so the profiled per-layer times slow down alike) the
+worker sleeps the difference (``(1 / speed - 1)`` times the op's own time when the host is idle). The
+device's work really takes ``1 / speed`` times longer and its stream order is unchanged, so a run on
+CPU virtual devices reproduces GPUs of unequal speed; measuring the thread's CPU time rather than the
+wall time keeps other threads' use of the host's cores (the fast device's compute, the copies) out of
+the slowdown, as a GPU's speed does not depend on the host's load.
+
 Debug: with ``copy_delay_s`` > 0 every copy publishes its (pooled) destination filled with NaN
 (floats) or ``-1`` (integers) first, sleeps, and only then copies, so a consumer that does not wait
 for the copy (a missing edge) computes on poison and gives a wrong result.
@@ -193,9 +202,26 @@ class CpuBackend(Backend):
         self.checker = checker
         self._gate = threading.Event()
         self._gate.set()
+        self.speed = 1.0
+        self._op_since: float | None = None  # compute worker: when the running op's unthrottled span began
+        self._cpu_since = 0.0  # compute worker: the thread's CPU time then
+        self._owed_s = 0.0  # compute worker: a sleep's overshoot (timer slack), taken off the next sleep
         self.streams = {stream: CpuStream(f"roundpipe-device{device_index}-{stream}-worker", self._gate)
                         for stream in STREAMS}
         self._start_threads()
+
+    def set_speed(self, speed: float) -> None:
+        """Make this device's compute ``speed`` times as fast as the host runs it (``0 < speed <= 1``;
+        1.0: unthrottled): each compute op, and each span between two :meth:`mark` s inside one, lasts
+        its thread's CPU time over ``speed`` (the compute worker sleeps the rest).
+
+        Raises:
+            ValueError: ``speed`` not a finite number in (0, 1].
+        """
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed <= 1:
+            raise ValueError(f"A CPU virtual device's speed must be a number in (0, 1], got {speed!r}."
+                             " HINT: relative to the host's own speed, e.g. 0.5 for a device half as fast.")
+        self.speed = float(speed)
 
     @property
     def alive(self) -> bool:
@@ -229,7 +255,39 @@ class CpuBackend(Backend):
                op: Any = None) -> None:
         if self.checker is not None and access is not None:
             self.checker.issue((self.device_index, stream), label, access, op)
+        if stream == "compute" and self.speed != 1.0:
+            work = self._throttled(work)
         self.streams[stream].put(work)
+
+    def _throttled(self, work: Callable[[], None]) -> Callable[[], None]:
+        """``work`` followed by the sleep that makes it ``1 / speed`` times as long (see :meth:`set_speed`)."""
+
+        def run() -> None:
+            self._op_since, self._cpu_since = time.perf_counter(), time.thread_time()
+            try:
+                work()
+            finally:
+                self._slow_down()
+                self._op_since = None
+
+        return run
+
+    def _slow_down(self) -> None:
+        """On the compute worker, inside an op: sleep until the span since the op began (or since the
+        last :meth:`mark`) has lasted its CPU time over ``speed``. What a sleep overshoots (the
+        kernel's timer slack, tens of microseconds) is taken off the next one, so the device's time is
+        ``1 / speed`` times its work however short its ops; a span that the host's load already made
+        longer than that sleeps nothing (and owes nothing later)."""
+        since = self._op_since
+        if since is None:
+            return
+        owed = (time.thread_time() - self._cpu_since) / self.speed - (time.perf_counter() - since) + self._owed_s
+        self._owed_s = 0.0
+        if owed > 0:
+            slept = time.perf_counter()
+            time.sleep(owed)
+            self._owed_s = min(0.0, owed - (time.perf_counter() - slept))
+        self._op_since, self._cpu_since = time.perf_counter(), time.thread_time()
 
     def record(self, stream: str) -> CpuEvent:
         event = CpuEvent(self.checker.record((self.device_index, stream)) if self.checker is not None else None)
@@ -294,6 +352,8 @@ class CpuBackend(Backend):
         return buffer
 
     def mark(self) -> float:
+        if self._op_since is not None and threading.current_thread() is self.streams["compute"]._thread:
+            self._slow_down()  # a throttled op: the span before this mark takes 1 / speed as long
         return time.perf_counter()  # the op runs on this stream's worker: its clock is the stream's
 
     def elapsed_s(self, start: float, end: float) -> float:

@@ -24,7 +24,7 @@ from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.execution.autograd import attach
 from lightning_roundpipe.runtime.tuning.autopartition import (choose_partition, describe_choice, fused_stages, hardware_model,
                                                       microbatch_weights, predict_step_s)
-from lightning_roundpipe.runtime.backends import make_backends, step_memory_peaks
+from lightning_roundpipe.runtime.backends import make_backends, smallest_stage_budget, step_memory_peaks
 from lightning_roundpipe.runtime.execution.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.host.memory import HostMemory, host_memory
 from lightning_roundpipe.runtime.execution.microbatch import (BatchStatistics, check_batch_dim, merge_input_grads, merge_leaves,
@@ -32,7 +32,8 @@ from lightning_roundpipe.runtime.execution.microbatch import (BatchStatistics, c
 from lightning_roundpipe.runtime.tuning.profiler import LayerProfiler
 from lightning_roundpipe.runtime.replay.routing import RoutingStore
 from lightning_roundpipe.runtime.host.store import WeightStore
-from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages, default_stage_ranges
+from lightning_roundpipe.runtime.tuning.mixed import build_plan
+from lightning_roundpipe.schedule import ExecutionPlan, build_stages, default_stage_ranges
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES, lower
 from lightning_roundpipe.schedule.program import StreamProgram
 
@@ -68,6 +69,7 @@ class RoundPipeEngine:
         cpu_link_bytes_per_s: CPU virtual devices: modelled host link rate per direction, bytes/s
             (``None``: unthrottled copies).
         check_streams: CPU virtual devices: the stream checking mode (``None``: the environment variable).
+        frozen_weights: ``"fp8"``: frozen matmul weights held and uploaded in fp8 (:class:`WeightStore`).
         debug_copy_delay_s: CPU virtual devices, debugging: every copy lands this many seconds late
             (its destination holds NaN meanwhile), so a missing dependency gives a wrong result.
         device_memory_bytes: memory budget of each device, bytes: enforced on CPU virtual devices
@@ -98,7 +100,7 @@ class RoundPipeEngine:
                  cpu_link_bytes_per_s: float | None = None, debug_copy_delay_s: float = 0.0,
                  profile_steps: int | None = None, loss_seed: Callable[[], float] | None = None,
                  device_memory_bytes: int | None = None, balance_microbatches: bool = False,
-                 check_streams: bool | None = None) -> None:
+                 check_streams: bool | None = None, frozen_weights: str | None = None) -> None:
         if not devices:
             raise ValueError("`devices` is empty: RoundPipe needs at least one device.")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -120,8 +122,8 @@ class RoundPipeEngine:
                                       check_streams)
         self.device_memory_bytes = device_memory_bytes
         if stage_memory_bytes is None and device_memory_bytes is not None:
-            stage_memory_bytes = device_memory_bytes // 2  # double buffering: the next stage is prefetched
-        self.store = WeightStore(seq.layers, compute_dtype, pin_memory=self.devices[0].type == "cuda")
+            stage_memory_bytes = smallest_stage_budget(device_memory_bytes)  # half: the next stage is prefetched
+        self.store = WeightStore(seq.layers, compute_dtype, self.devices[0].type == "cuda", frozen_weights)
         self.executor = Executor(seq, self.backends, self.store, autocast_dtype)
         self.cursor = 0
         self._plans: dict[tuple, ExecutionPlan] = {}
@@ -196,7 +198,8 @@ class RoundPipeEngine:
                    cpu_link_bytes_per_s=config.cpu_link_bytes_per_s, debug_copy_delay_s=config.debug_copy_delay_s,
                    device_memory_bytes=config.device_memory_bytes,
                    profile_steps=config.profile_steps if fitting else None, loss_seed=loss_seed,
-                   balance_microbatches=config.balance_microbatches, check_streams=config.check_streams)
+                   balance_microbatches=config.balance_microbatches, check_streams=config.check_streams,
+                   frozen_weights=config.frozen_weights)
 
     def pop_device_memory_peaks(self) -> list[int] | None:
         """Per CPU virtual device, the most bytes live at once (weights, activations, op outputs)
@@ -275,7 +278,7 @@ class RoundPipeEngine:
         original = self._original_forward or type(target).forward.__get__(target)
         context = (torch.autocast("cpu", dtype=self.autocast_dtype) if self.autocast_dtype is not None
                    else contextlib.nullcontext())
-        with context:
+        with context, self.store.host_weights():  # fp8 frozen weights: dequantised copies meanwhile
             return original(*args, **kwargs)
 
     def close(self) -> None:
@@ -313,8 +316,7 @@ class RoundPipeEngine:
         return plan
 
     def _build_plan(self, stages, num_microbatches: int, cursor: int, microbatches_per_round: int | None) -> ExecutionPlan:
-        return build_roundpipe_plan(stages, len(self.backends), num_microbatches, cursor,
-                                    microbatches_per_round=microbatches_per_round)
+        return build_plan(self, stages, num_microbatches, cursor, microbatches_per_round)  # the dispatch rule: tuning/mixed.py
 
     def _lower(self, plan: ExecutionPlan) -> StreamProgram:
         return lower(plan, stage_weight_bytes=[self.store.stage_bytes(s.layers) for s in plan.stages],

@@ -480,11 +480,11 @@ class Executor(TransferOps):
             seconds = {li: backend.elapsed_s(*pair) for li, pair in marks.items()}
             if whole is None:
                 for li, sec in seconds.items():
-                    self.profiler.record(kind, li, sec)
+                    self.profiler.record(kind, li, sec, backend.device_index)
                 continue
             total, forward = backend.elapsed_s(*whole), sum(seconds.values()) or 1.0
             for li, sec in seconds.items():
-                self.profiler.record("backward", li, total * sec / forward)
+                self.profiler.record("backward", li, total * sec / forward, backend.device_index)
         run.profile_marks.clear()
 
 

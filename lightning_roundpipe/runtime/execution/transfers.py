@@ -40,18 +40,22 @@ class TransferOps:
         """Before a program is issued: every device's stage pool has a slot per stage it holds at once,
         each as large as the program's largest stage, and as many fp32 gradient accumulators, each as
         large as the largest backward stage's (allocated only when that grows); the transfers' slot
-        assignment is made here, on the main thread (cached on the program)."""
+        assignment is made here, on the main thread (cached on the program). A plan that keeps stages
+        off devices whose memory cannot hold them (``plan._meta["stage_devices"]``, the weighted
+        dispatch on devices of unequal memory) sizes each device's slots to the largest stage it may hold."""
         device_slots(program)
         host_slots(program, len(self.seq.layers), keep)
         slots = pool_slots(program.plan)
         stages = program.plan.stages
+        allowed = program.plan._meta.get("stage_devices")
         sizes = {s: self.store.layout(stages[s].layers).total_bytes for _, s, _ in slots}
-        largest = max(sizes, key=sizes.get) if sizes else None
-        accumulate = max((self.store.accumulator_numel(stages[s].layers) * 4 for _, s, _ in slots
-                          if stages[s].kind == "backward"), default=0)
         count = max(slots.values(), default=-1) + 1  # every device the same (a rotated plan swaps devices)
         for backend in self.backends:
             if any(d == backend.device_index for d, _, _ in slots):
+                mine = [s for s in sizes if allowed is None or backend.device_index in allowed[s]]
+                largest = max(mine, key=sizes.get)
+                accumulate = max((self.store.accumulator_numel(stages[s].layers) * 4 for s in mine
+                                  if stages[s].kind == "backward"), default=0)
                 spec = stages[largest]
                 backend.pool_label = (f"the stage weight pool, before any LOAD: {count} slot(s) of {sizes[largest]}"
                                       f" bytes for the largest stage, {spec.describe()}")

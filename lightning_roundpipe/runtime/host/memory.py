@@ -5,7 +5,8 @@ The paper counts 20 host bytes per trainable parameter under mixed precision: 2 
 measures the same categories on the live objects, split by trainable and frozen parameters:
 
 - ``master_bytes``: the parameter tensors themselves (the fp32 masters of trainable parameters;
-  a frozen parameter held in the compute dtype is its own compute copy, so it counts here, once);
+  a frozen parameter held in the compute dtype is its own compute copy, so it counts here, once; a
+  frozen weight held in fp8 counts its host block: codes, padding and per-channel fp32 scales);
 - ``shadow_bytes``: separate compute-dtype copies (the weight store's shadows, only where a shadow
   is not the master itself);
 - ``grad_bytes``: ``.grad`` tensors, now;
@@ -17,6 +18,9 @@ measures the same categories on the live objects, split by trainable and frozen 
 - ``optimizer_bytes``: tensors in ``optimizer.state`` of the parameters (Adam's ``exp_avg``,
   ``exp_avg_sq`` and ``step``; SGD's momentum buffer).
 
+:attr:`HostMemory.frozen_matmul` counts the frozen matmul weights apart (the LoRA base's projections:
+what ``frozen_weights="fp8"`` converts, :attr:`~lightning_roundpipe.runtime.host.store.WeightStore.frozen_matmul`),
+so their host bytes per parameter compare across modes (4 in fp32, 2 in bf16, about 1 in fp8).
 Tied parameters count once. Model buffers (rotary ``inv_freq``, BatchNorm statistics) are
 ``buffer_bytes``. ``total_bytes`` is then the step's peak host memory for the model (masters, shadows
 and optimizer state do not change during a step). Bytes are host (CPU) bytes; device memory (the
@@ -81,11 +85,14 @@ class HostMemory:
         trainable: parameters with ``requires_grad=True``.
         frozen: parameters with ``requires_grad=False`` (a LoRA base).
         buffer_bytes: model buffers, bytes.
+        frozen_matmul: the part of ``frozen`` that is frozen matmul weights (2-D ``nn.Linear`` /
+            ``Conv1D`` weights; fp8 with ``frozen_weights="fp8"``).
     """
 
     trainable: HostBytes
     frozen: HostBytes
     buffer_bytes: int = 0
+    frozen_matmul: HostBytes = HostBytes()
 
     @property
     def total_bytes(self) -> int:
@@ -121,6 +128,7 @@ def host_memory(store: WeightStore, optimizers: Iterable[torch.optim.Optimizer] 
     groups = {True: dict.fromkeys(("num_params", "master_bytes", "shadow_bytes", "grad_bytes", "optimizer_bytes"), 0),
               False: dict.fromkeys(("num_params", "master_bytes", "shadow_bytes", "grad_bytes", "optimizer_bytes"), 0)}
     buffer_bytes = 0
+    matmul = dict.fromkeys(("num_params", "master_bytes", "shadow_bytes"), 0)
     for key, entry in store.tensors.items():
         master = entry.master
         shadow = entry.shadow
@@ -129,12 +137,17 @@ def host_memory(store: WeightStore, optimizers: Iterable[torch.optim.Optimizer] 
             buffer_bytes += _nbytes(master) + (_nbytes(shadow) if separate else 0)
             continue
         group = groups[bool(master.requires_grad)]
+        nbytes = entry.block.numel() if entry.block is not None else _nbytes(master)
         group["num_params"] += master.numel()
-        group["master_bytes"] += _nbytes(master)
+        group["master_bytes"] += nbytes
         group["shadow_bytes"] += _nbytes(shadow) if separate else 0
+        if key in store.frozen_matmul:
+            matmul["num_params"] += master.numel()
+            matmul["master_bytes"] += nbytes
+            matmul["shadow_bytes"] += _nbytes(shadow) if separate else 0
         grad = master.grad  # read once
         group["grad_bytes"] += _nbytes(grad) if grad is not None else 0
         group["optimizer_bytes"] += state_bytes.get(key, 0)
     grad_buffer_bytes = max(0, peak_grad_bytes - groups[True]["grad_bytes"] - groups[False]["grad_bytes"])
     return HostMemory(trainable=HostBytes(grad_buffer_bytes=grad_buffer_bytes, **groups[True]),
-                      frozen=HostBytes(**groups[False]), buffer_bytes=buffer_bytes)
+                      frozen=HostBytes(**groups[False]), buffer_bytes=buffer_bytes, frozen_matmul=HostBytes(**matmul))

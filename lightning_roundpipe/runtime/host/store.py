@@ -25,6 +25,14 @@
   gives them back their original dtype; the matmul weights' values stay rounded to the compute
   dtype, which changes no result: every computation already used the compute-dtype copy. Freezing
   is read at construction: unfreezing a converted parameter while the store lives is an error.
+- **fp8 frozen weights** (``frozen_weights="fp8"``, :mod:`~lightning_roundpipe.runtime.host.fp8`): the
+  frozen matmul weights are converted instead, one at a time, from their masters into fp8 codes with
+  per-output-channel fp32 scales (each original's storage is freed once converted: the host never holds
+  the whole base twice); the codes are the parameter's ``.data``. A stage uploads codes and scales;
+  :meth:`ResidentStage.layer_tensors` dequantises each on the device (compute dtype, else the master's)
+  when its layer first binds in that residency, kept until the ``DROP``. :meth:`WeightStore.restore_frozen`
+  gives back the original dtype with the fp8-rounded values; :meth:`WeightStore.host_weights` lends
+  dequantised copies to un-pipelined host calls.
 - **Stage layout**: a stage's unique tensors packed into one flat byte buffer (16-byte aligned),
   uploaded in chunks of at most ``chunk_bytes`` that may cut a tensor; on the device every tensor
   is a view into the stage's buffer.
@@ -38,17 +46,22 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from lightning_roundpipe.partition.profile import SharedWeight
+from lightning_roundpipe.runtime.host import fp8
 from lightning_roundpipe.runtime.host.grads import GradAccumulator, download_bytes, needs_fp32_accumulation
-from lightning_roundpipe.runtime.host.pinned import is_pinned, pinned_empty
+from lightning_roundpipe.runtime.host.pinned import is_pinned, pinned_bytes, pinned_empty
 
 _ALIGN = 16
+
+FROZEN_WEIGHT_MODES = (None, "fp8")
+"""Valid ``frozen_weights`` of :class:`WeightStore` (``RoundPipeConfig.frozen_weights``)."""
 
 #: modules whose ``weight`` is an operand of a matrix multiply or convolution that ``torch.autocast``
 #: casts to its lower-precision dtype (``F.linear``, ``F.conv*d``, ``F.conv_transpose*d``)
@@ -79,8 +92,10 @@ def autocast_cast_weights(layers: Sequence[nn.Module]) -> set[int]:
 
 
 def _padded_bytes(entry: "_Tensor") -> int:
-    """Bytes a tensor takes in a stage's flat buffer (its upload dtype, padded to ``_ALIGN``)."""
-    return -(-entry.master.numel() * entry.dtype.itemsize // _ALIGN) * _ALIGN
+    """Bytes a tensor takes in a stage's flat buffer (its upload dtype, or an fp8 weight's codes and
+    scales, padded to ``_ALIGN``)."""
+    nbytes = entry.block.numel() if entry.block is not None else entry.master.numel() * entry.dtype.itemsize
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 @dataclass
@@ -91,6 +106,12 @@ class _Tensor:
     shadow: torch.Tensor | None = None
     version: tuple[int, int] | None = None
     original_dtype: torch.dtype | None = None  # frozen parameter converted in place: its dtype before
+    # fp8 frozen weight: its host block (codes, padding, scales), the scales' view, the output-channel dim
+    # and the dtype it is dequantised to on the devices
+    block: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    channel_dim: int = 0
+    dequant_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +145,10 @@ class ResidentStage:
         buffer_pairs: ``(master, view)`` of buffers (BatchNorm statistics written back at ``DROP``).
         accumulator: fp32 sum over microbatches of the gradients of the ``grad_pairs`` whose view is
             narrower than fp32 (``None`` when there are none: their ``view.grad`` is read directly).
-        nbytes: bytes resident on the device.
+        quantised: per position of an fp8 weight (whose view holds its codes), its scales' view and
+            the dtype it is dequantised to.
+        dequantised: per such position, the dequantised weight, once a layer using it was bound.
+        nbytes: bytes resident on the device (the stage's buffer; dequantised weights come on top).
     """
 
     layout: StageLayout
@@ -133,13 +157,30 @@ class ResidentStage:
     grad_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     buffer_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     accumulator: GradAccumulator | None = None
+    quantised: dict[int, tuple[torch.Tensor, torch.dtype]] = field(default_factory=dict)
+    dequantised: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return self.layout.total_bytes
 
     def layer_tensors(self, layer_index: int) -> dict[str, torch.Tensor]:
-        return {name: self.views[k] for name, k in self.layout.names[layer_index]}
+        """``{qualified name: tensor}`` the replica of layer ``layer_index`` binds. An fp8 weight is
+        dequantised here (on the device, by the calling compute op, outside autocast) the first time a
+        layer using it binds in this residency, and the same tensor is returned until the ``DROP``
+        (whose unbind must find it)."""
+        if not self.quantised:
+            return {name: self.views[k] for name, k in self.layout.names[layer_index]}
+        out = {}
+        for name, k in self.layout.names[layer_index]:
+            tensor = self.views[k]
+            if k in self.quantised:
+                tensor = self.dequantised.get(k)
+                if tensor is None:
+                    scale, dtype = self.quantised[k]
+                    tensor = self.dequantised[k] = fp8.dequantise(self.views[k], scale, dtype)
+            out[name] = tensor
+        return out
 
 
 class WeightStore:
@@ -153,17 +194,30 @@ class WeightStore:
             buffer keeps its master's dtype (norms, biases, embeddings, rotary ``inv_freq``: fp32).
             ``None`` uploads every tensor in its master's dtype (the true precisions).
         pin_memory: keep shadows in pinned host memory (CUDA), so uploads are asynchronous DMA.
+        frozen_weights: ``"fp8"``: hold and upload the frozen matmul weights as fp8 codes with
+            per-output-channel scales, dequantised on the devices (see the module docstring);
+            ``None``: as their upload dtype.
 
     Frozen floating-point parameters that would need a shadow (another dtype, pinning, a
     non-contiguous layout) are converted in place at construction (see the module docstring);
     :meth:`restore_frozen` undoes the dtype change.
+
+    Raises:
+        ValueError: for a ``frozen_weights`` other than ``None`` and ``"fp8"``, or an fp8 weight
+            holding an infinity or NaN.
     """
 
     def __init__(self, layers: Sequence[nn.Module], compute_dtype: torch.dtype | None = None,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, frozen_weights: str | None = None) -> None:
+        if frozen_weights not in FROZEN_WEIGHT_MODES:
+            raise ValueError(f"`frozen_weights` must be one of {list(FROZEN_WEIGHT_MODES)}, got {frozen_weights!r}."
+                             " HINT: 'fp8' holds the frozen matmul weights (a LoRA base) in fp8 with per-channel scales.")
         self.layers = list(layers)
         self.compute_dtype = compute_dtype
         self.pin_memory = pin_memory
+        self.frozen_weights = frozen_weights
+        self.frozen_matmul = fp8.fp8_candidates(self.layers)
+        """``id`` -> output-channel dim of the frozen matmul weights (converted with ``frozen_weights="fp8"``)."""
         self.snapshot = False
         """Asynchronous optimizer: the shadows of trainable parameters are always copies (never the
         master itself), and only ``refresh(force=True)`` changes any shadow, so the pipeline reads a
@@ -172,7 +226,8 @@ class WeightStore:
         # (name, master key) per layer, captured once in the main thread: workers never read the modules' attributes
         self.entries: list[list[tuple[str, int]]] = []
         in_compute_dtype = autocast_cast_weights(self.layers) if compute_dtype is not None else set()
-        for layer in self.layers:
+        in_fp8 = self.frozen_matmul if frozen_weights == "fp8" else {}
+        for index, layer in enumerate(self.layers):
             entries = []
             named = [(n, p, True) for n, p in layer.named_parameters(remove_duplicate=False)]
             named += [(n, b, False) for n, b in layer.named_buffers(remove_duplicate=False) if b is not None]
@@ -182,7 +237,14 @@ class WeightStore:
                     half = is_param and key in in_compute_dtype and tensor.is_floating_point()
                     dtype = compute_dtype if half else tensor.dtype
                     self.tensors[key] = entry = _Tensor(tensor, is_param, dtype)
-                    self._hold_frozen_in_compute_dtype(entry)
+                    try:
+                        if key in in_fp8:
+                            self._hold_frozen_in_fp8(entry, in_fp8[key], f"`{name}` of layer {index}")
+                        else:
+                            self._hold_frozen_in_compute_dtype(entry)
+                    except BaseException:  # the parameters converted so far get their dtype back (values rounded)
+                        self.restore_frozen()
+                        raise
                 entries.append((name, key))
             self.entries.append(entries)
         self._layouts: dict[range, StageLayout] = {}
@@ -199,22 +261,64 @@ class WeightStore:
         data.copy_(master.detach())
         master.data = data
 
+    def _hold_frozen_in_fp8(self, entry: _Tensor, channel_dim: int, name: str) -> None:
+        """A frozen matmul weight becomes fp8 codes with per-channel scales in one host block (pinned on
+        CUDA), converted from its master directly; the master's original storage is freed here."""
+        master = entry.master
+        _, nbytes, _ = fp8.block_layout(master.shape, channel_dim)
+        block = pinned_bytes(nbytes, pin=self.pin_memory)
+        codes, scale = fp8.split_block(block, master.shape, channel_dim)
+        fp8.quantise_into(master.detach(), channel_dim, codes, scale, name)
+        entry.original_dtype, entry.dtype = master.dtype, fp8.FP8_DTYPE
+        entry.block, entry.scale, entry.channel_dim = block, scale, channel_dim
+        entry.dequant_dtype = self.compute_dtype if self.compute_dtype is not None else master.dtype
+        master.data = codes
+
     def restore_frozen(self) -> None:
         """Give the frozen parameters converted at construction their original dtype back (unpinned).
 
-        The values of the matmul weights stay rounded to the compute dtype (e.g. bf16): the pipeline
-        computed with that copy all along, so no training result changes. The others (norms,
-        embeddings: converted only to pin them on CUDA) are unchanged.
+        The values of the matmul weights stay rounded to the compute dtype (e.g. bf16), or, with
+        ``frozen_weights="fp8"``, are the dequantised fp8 values in the original dtype: the pipeline
+        computed with those all along, so no training result changes. The others (norms, embeddings:
+        converted only to pin them on CUDA) are unchanged. One weight at a time (its fp8 block is
+        freed before the next is converted back).
         """
         for entry in self.tensors.values():
             if entry.original_dtype is None:
                 continue
             master = entry.master
             data = torch.empty(master.shape, dtype=entry.original_dtype)
-            data.copy_(master.detach())
+            if entry.scale is not None:
+                fp8.dequantise_into(master.detach(), entry.scale, data, entry.channel_dim)
+                entry.block = entry.scale = None
+                entry.dtype = entry.original_dtype
+            else:
+                data.copy_(master.detach())
             master.data = data
             entry.original_dtype = None
             entry.shadow = entry.version = None
+
+    @contextlib.contextmanager
+    def host_weights(self) -> Iterator[None]:
+        """While open, the fp8 weights' parameters hold their dequantised values (in the devices'
+        dtype; a copy of each, in host memory), for an un-pipelined call on the host (``generate()``,
+        a KV cache); the codes come back when it closes. Main thread only, while no program runs."""
+        swapped: list[tuple[_Tensor, torch.Tensor]] = []
+        try:
+            for entry in self.tensors.values():
+                if entry.scale is not None:
+                    codes = entry.master.data
+                    entry.master.data = fp8.dequantise(codes, entry.scale, entry.dequant_dtype)
+                    swapped.append((entry, codes))
+            yield
+        finally:
+            for entry, codes in swapped:
+                entry.master.data = codes
+
+    @property
+    def fp8_weights(self) -> list[torch.Tensor]:
+        """The frozen matmul weights held as fp8 codes (``frozen_weights="fp8"``)."""
+        return [e.master for e in self.tensors.values() if e.scale is not None]
 
     @property
     def frozen_in_compute_dtype(self) -> list[torch.Tensor]:
@@ -300,7 +404,10 @@ class WeightStore:
 
     def host_bytes(self, key: int) -> torch.Tensor:
         """The shadow of tensor ``key`` as a flat ``uint8`` view."""
-        shadow = self.tensors[key].shadow
+        entry = self.tensors[key]
+        if entry.block is not None:  # an fp8 weight: its codes and scales
+            return entry.block
+        shadow = entry.shadow
         if shadow is None:
             raise RuntimeError("RoundPipe weight store used before `refresh()`.")
         return shadow.reshape(-1).view(torch.uint8)
@@ -386,9 +493,15 @@ class WeightStore:
         get a :class:`~lightning_roundpipe.runtime.host.grads.GradAccumulator`, summing into
         ``accumulator_buffer`` (``uint8``, at least :meth:`accumulator_numel` fp32 elements: a slot of
         the device's accumulator pool; ``None``: allocated at the first gradient)."""
-        views, grad_pairs, buffer_pairs = [], [], []
+        views, grad_pairs, buffer_pairs, quantised = [], [], [], {}
         for key, offset in zip(layout.tensors, layout.offsets):
             entry = self.tensors[key]
+            if entry.block is not None:  # fp8 codes and scales, dequantised when a layer binds them
+                view, scale = fp8.split_block(buffer[offset:offset + entry.block.numel()], entry.master.shape,
+                                              entry.channel_dim)
+                quantised[len(views)] = (scale, entry.dequant_dtype)
+                views.append(view)
+                continue
             nbytes = entry.master.numel() * entry.dtype.itemsize
             view = buffer[offset:offset + nbytes].view(entry.dtype).view(entry.master.shape)
             if entry.is_param and with_grad and entry.master.requires_grad:
@@ -399,7 +512,7 @@ class WeightStore:
             views.append(view)
         low = [(master, view) for master, view in grad_pairs if needs_fp32_accumulation(view.dtype)]
         accumulator = GradAccumulator(low, accumulator_buffer) if low else None
-        return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs, accumulator)
+        return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs, accumulator, quantised)
 
     @staticmethod
     def own_buffers(resident: ResidentStage) -> None:

@@ -16,6 +16,8 @@ from typing import Any, Sequence
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.execution.microbatch import split_sizes
+from lightning_roundpipe.runtime.tuning.mixed import (build_plan, compares_rules, describe_speeds, device_stage_budgets,
+                                                      set_dispatch_rule)
 from lightning_roundpipe.runtime.tuning.optimizer_mode import measured_optimizer_rate, mode_step_s
 from lightning_roundpipe.schedule import build_stages, default_stage_ranges
 
@@ -38,12 +40,15 @@ class PlanChoice:
             when nothing was timed: no call seen yet).
         num_microbatches: microbatches the batch is cut into from now on, when the choice cuts it
             into more than the configured count (:func:`split_options`); ``None``: the configured count.
+        dispatch_rule: the rule the plans are built with from now on: ``"round_robin"`` or
+            ``"weighted"`` (devices of unequal speed or memory, :mod:`~lightning_roundpipe.runtime.tuning.mixed`).
     """
 
     partition: PartitionPlan
     microbatches_per_round: int | None
     simulated_s: float | None = None
     num_microbatches: int | None = None
+    dispatch_rule: str = "round_robin"
 
 
 BALANCE_MARGIN = 0.02
@@ -57,6 +62,11 @@ step) faster than the best plan of several stages; the choice's line then gives 
 margin stands for what the simulator does not see of such a plan: it is timed on per-layer times
 profiled on stages of the first plan, and with no stage boundary a device holds the whole model's
 weights and every layer's activations of a microbatch at once."""
+
+DISPATCH_MARGIN = 0.03
+"""On devices of unequal speed or memory (``dispatch="auto"``), the weighted dispatch is taken only when
+the simulator times it at least this much (a fraction of the step) faster than the best round-robin
+plan: the round robin is the paper's, and the weighted plan's advantage rests on the measured speeds."""
 
 
 def split_options(engine: Any, num_microbatches: int, rows: int) -> list[int]:
@@ -149,9 +159,12 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
     partitioner's own cut), with two margins: a finer cut of the batch must be
     :data:`BALANCE_MARGIN` faster, and with more than one device a plan of one stage (no pipeline)
     must be :data:`SINGLE_STAGE_MARGIN` faster than the best plan of several stages (the line says
-    so with both times either way). The partitioner's objective, ``max(S, D) x`` the largest stage
-    cost, does not see the fill and drain of the round robin, which dominate with few devices and
-    microbatches.
+    so with both times either way). On devices of unequal speed or memory with ``dispatch="auto"``
+    (:func:`~lightning_roundpipe.runtime.tuning.mixed.compares_rules`) every option is also timed
+    with the weighted dispatch (and the partitions that fit the largest device's budget, which only
+    it can place), which is taken when :data:`DISPATCH_MARGIN` faster than the best round robin.
+    The partitioner's objective, ``max(S, D) x`` the largest stage cost, does not see the fill and
+    drain of the round robin, which dominate with few devices and microbatches.
     """
     from lightning_roundpipe.partition import METHODS, auto_partition, plan_objective_s, stage_memory
 
@@ -179,13 +192,38 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
         candidates.append(PartitionPlan(whole, whole, plan_objective_s(PartitionPlan(whole, whole), profiles,
                                                                         len(engine.backends))))
     candidates += filling_candidates(profiles, len(engine.backends), budget, candidates[0])
+    both = compares_rules(engine)
+    rules = ["round_robin", "weighted"] if both else [getattr(engine, "dispatch_rule", "round_robin")]
+    round_robin_fits = len(candidates)  # candidates from here on fit only the larger devices (weighted only)
+    largest = max(device_stage_budgets(engine), key=lambda b: math.inf if b is None else b) if both else None
+    if both and budget is not None and (largest is None or largest > budget):
+        candidates += [auto_partition(profiles, len(engine.backends), largest, method=m) for m in METHODS]
     counts = split_options(engine, engine._last_call[0], sum(engine._last_sizes))
     timed = []
     for count in counts:
         for per_round in round_options(engine, count):
             for i, candidate in enumerate(candidates):
-                timed.append((simulated_step_s(engine, candidate, profiles, per_round, count), len(timed), i,
-                              per_round, count))
+                for rule in rules:
+                    if rule == "round_robin" and i >= round_robin_fits:
+                        continue
+                    try:
+                        step_s = simulated_step_s(engine, candidate, profiles, per_round, count,
+                                                  **({"dispatch_rule": rule} if both else {}))
+                    except ValueError:  # the weighted rule: a stage no device's memory holds
+                        continue
+                    timed.append((step_s, len(timed), i, per_round, count, rule))
+    if both:  # the weighted dispatch only by DISPATCH_MARGIN; the search below runs within the chosen rule
+        plain = min(t for t in timed if t[5] == "round_robin")
+        weighted = min((t for t in timed if t[5] == "weighted"), default=None)
+        rule = "weighted" if weighted is not None and weighted[0] < (1 - DISPATCH_MARGIN) * plain[0] else "round_robin"
+        gain = 0.0 if weighted is None else 1 - weighted[0] / plain[0]
+        dispatch_note = (f"; dispatch {rule.replace('_', ' ')} (device speeds {describe_speeds(engine)}): weighted"
+                         f" {'n/a' if weighted is None else f'{weighted[0] * 1e3:.1f} ms'} vs round robin"
+                         f" {plain[0] * 1e3:.1f} ms, {100 * gain:.1f}% faster"
+                         f"{'' if rule == 'weighted' else f', under the {100 * DISPATCH_MARGIN:.0f}% margin'}")
+        timed = [t for t in timed if t[5] == rule]
+    else:
+        rule, dispatch_note = rules[0], ""
 
     def fastest(entries: list[tuple]) -> tuple:  # a finer cut only by BALANCE_MARGIN
         best = min(t for t in entries if t[4] == counts[0])
@@ -211,16 +249,18 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
                 single = (f"; kept a pipeline: {numbers}, under the {100 * SINGLE_STAGE_MARGIN:.0f}% margin"
                           " one stage needs on several devices")
                 best = pipelined
-    best_s, _, index, per_round, count = best
+    best_s, _, index, per_round, count, _ = best
     cut = "" if count == counts[0] else f", the batch cut into {count} microbatches instead of {counts[0]}"
     reason = no_split_reason(engine)
     if engine.balance_microbatches and devices > 1 and counts[0] % devices and reason is not None:
         cut += f"; no cut into a multiple of the {devices} devices: {reason}"
+    options = sum(len(round_options(engine, count)) for count in counts)
     engine.info(f"RoundPipe: simulated step of {len(candidates)} candidate partitions x"
-                f" {len(timed) // len(candidates)} microbatch options: {min(t[0] for t in timed) * 1e3:.1f} .."
+                f" {options} microbatch options: {min(t[0] for t in timed) * 1e3:.1f} .."
                 f" {max(t[0] for t in timed) * 1e3:.1f} ms; chose candidate {index} with"
-                f" {describe_rounds(per_round, count)}{cut} (simulated step {best_s * 1e3:.1f} ms){single}")
-    return PlanChoice(candidates[index], per_round, best_s, None if count == counts[0] else count)
+                f" {describe_rounds(per_round, count)}{cut} (simulated step {best_s * 1e3:.1f} ms){single}{dispatch_note}")
+    set_dispatch_rule(engine, rule)
+    return PlanChoice(candidates[index], per_round, best_s, None if count == counts[0] else count, rule)
 
 
 def one_stage(partition: PartitionPlan) -> bool:
@@ -271,26 +311,32 @@ def describe_choice(engine: Any, choice: PlanChoice, profiles: Sequence[LayerPro
 
 
 def simulated_step_s(engine: Any, partition: PartitionPlan, profiles: Sequence[LayerProfile],
-                     microbatches_per_round: int | None = None, num_microbatches: int | None = None) -> float:
+                     microbatches_per_round: int | None = None, num_microbatches: int | None = None,
+                     dispatch_rule: str | None = None) -> float:
     """Simulated time of one step of the last call's shape (rows, fused or not) under ``partition``
     with ``microbatches_per_round``, seconds; the batch cut into ``num_microbatches`` (``None``: as
-    the last call was). In the run's own optimizer mode, the host's optimizer step included
-    (:func:`~lightning_roundpipe.runtime.tuning.optimizer_mode.mode_step_s`)."""
+    the last call was); the plan built with ``dispatch_rule`` (``None``: the engine's). In the run's
+    own optimizer mode, the host's optimizer step included
+    (:func:`~lightning_roundpipe.runtime.tuning.optimizer_mode.mode_step_s`).
+
+    Raises:
+        ValueError: the weighted rule with a stage that fits no device's memory."""
     from lightning_roundpipe.simulate import simulate_program
 
     last, fused = engine._last_call
     num_microbatches = last if num_microbatches is None else num_microbatches
     stages = fused_stages(partition) if fused else None
     if fused:
-        plans = [engine._build_plan(stages, num_microbatches, 0, microbatches_per_round)]
+        plans = [build_plan(engine, stages, num_microbatches, 0, microbatches_per_round, dispatch_rule)]
     else:
-        plan = engine._build_plan(build_stages(partition.forward_stages, partition.backward_stages), num_microbatches, 0,
-                             microbatches_per_round)
+        plan = build_plan(engine, build_stages(partition.forward_stages, partition.backward_stages), num_microbatches, 0,
+                          microbatches_per_round, dispatch_rule)
         plans = [plan.phase("forward"), plan.phase("backward")]
     hardware, weights = engine.hardware_model(), engine.microbatch_weights(num_microbatches)
     drained = sum(simulate_program(engine._lower(p), profiles, hardware, microbatch_weights=weights).iteration_s
                   for p in plans)
-    return mode_step_s(engine, drained, stages, profiles, microbatches_per_round, num_microbatches)
+    return mode_step_s(engine, drained, stages, profiles, microbatches_per_round, num_microbatches,
+                       plans[0]._meta.get("builder", {}).get("dispatch"))
 
 
 def hardware_model(engine: Any):

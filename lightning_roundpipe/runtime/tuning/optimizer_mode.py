@@ -121,7 +121,7 @@ def step_with_optimizer_s(engine: Any, pipeline_s: float | None, measured_optimi
 
 
 def mode_step_s(engine: Any, drained_s: float, fused_stages: Any, profiles: Any,
-                microbatches_per_round: int | None, num_microbatches: int) -> float:
+                microbatches_per_round: int | None, num_microbatches: int, dispatch: Any = None) -> float:
     """Seconds of one step in the run's own mode, for the automatic choice.
 
     An engine that runs the steady state (:func:`steps_overlap`), on the fused path
@@ -130,6 +130,8 @@ def mode_step_s(engine: Any, drained_s: float, fused_stages: Any, profiles: Any,
     engine's byte sizes and chunks; the host's ``OPT`` op of :func:`predicted_optimizer_s` seconds,
     0 before the rate is measured). Otherwise the drained step ``drained_s`` (the simulator's time
     of the programs one step runs) with the optimizer step (:func:`step_with_optimizer_s`).
+    ``dispatch``: the plans' :class:`~lightning_roundpipe.schedule.dispatch.DispatchPolicy` (``None``:
+    the round robin on equal devices).
     """
     if fused_stages is None or not steps_overlap(engine):
         return step_with_optimizer_s(engine, drained_s)
@@ -143,7 +145,7 @@ def mode_step_s(engine: Any, drained_s: float, fused_stages: Any, profiles: Any,
         rounds = -(-num_microbatches // (microbatches_per_round or num_microbatches))
         windows = first + 1 + rotation_windows(len(fused_stages), len(engine.backends), rounds)
     plan = build_steady_state_plan(fused_stages, len(engine.backends), num_microbatches, windows, optimizer=mode,
-                                   microbatches_per_round=microbatches_per_round, validate=False)
+                                   microbatches_per_round=microbatches_per_round, validate=False, dispatch=dispatch)
     program = lower_steady_state(
         plan, stage_weight_bytes=[engine.store.stage_bytes(s.layers) for s in plan.stages],
         stage_grad_bytes=[engine.store.stage_grad_bytes(s.layers) if s.kind == "backward" else 0 for s in plan.stages],

@@ -19,6 +19,7 @@ from typing import Any
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.tuning.autopartition import PlanChoice, describe_rounds
+from lightning_roundpipe.runtime.tuning.mixed import set_dispatch_rule
 
 CHECKPOINT_KEY = "roundpipe_plan"
 """The checkpoint's key for :func:`plan_state`."""
@@ -58,6 +59,9 @@ def plan_state(engine: Any) -> dict[str, Any] | None:
         "last_sizes": list(engine._last_sizes), "profiled_rows": engine._profiled_rows,
         "measured_profiles": (None if engine.measured_profiles is None
                               else [dataclasses.asdict(p) for p in engine.measured_profiles]),
+        # devices of unequal speed (mixed.py): the measured relative speeds, measured once per run
+        "device_speeds": None if getattr(engine, "device_speeds", None) is None else list(engine.device_speeds),
+        "device_speeds_source": getattr(engine, "device_speeds_source", None),
     }
     if profiler is not None:
         state["profiler"] = {"steps_seen": profiler.steps_seen, "enabled": profiler.enabled,
@@ -69,7 +73,8 @@ def plan_state(engine: Any) -> dict[str, Any] | None:
                            "backward_stages": _ranges(choice.partition.backward_stages),
                            "objective_s": choice.partition.objective_s,
                            "microbatches_per_round": choice.microbatches_per_round,
-                           "simulated_s": choice.simulated_s, "num_microbatches": choice.num_microbatches}
+                           "simulated_s": choice.simulated_s, "num_microbatches": choice.num_microbatches,
+                           "dispatch_rule": choice.dispatch_rule}
     return state
 
 
@@ -104,12 +109,19 @@ def restore_plan_state(engine: Any, state: dict[str, Any] | None) -> bool:
     engine._profiled_rows = state.get("profiled_rows")
     if state.get("measured_profiles") is not None:
         engine.measured_profiles = [LayerProfile(**p) for p in state["measured_profiles"]]
+    if state.get("device_speeds_source") == "measured" and profiler.steps_seen >= profiler.skip_steps:
+        speeds = state.get("device_speeds")  # the probe ran in the saved run; it runs once, after the warm-up step
+        engine.device_speeds = None if speeds is None else tuple(float(s) for s in speeds)
+        engine.device_speeds_source = "measured"
+        profiler.device_speeds = None if speeds is None else list(engine.device_speeds)
     choice = state.get("choice")
     if choice is not None and engine.auto_partition_after_steps is not None:
         partition = PartitionPlan(tuple(range(*r) for r in choice["forward_stages"]),
                                   tuple(range(*r) for r in choice["backward_stages"]), choice.get("objective_s"))
         engine.plan_choice = PlanChoice(partition, choice["microbatches_per_round"], choice.get("simulated_s"),
-                                        choice.get("num_microbatches"))
+                                        choice.get("num_microbatches"), choice.get("dispatch_rule", "round_robin"))
+        if getattr(engine, "dispatch_mode", "auto") == "auto":  # a rule set by the user stays
+            set_dispatch_rule(engine, engine.plan_choice.dispatch_rule)
         engine.set_partition(partition, choice["microbatches_per_round"])
         engine.split_num_microbatches = choice.get("num_microbatches")
         cut = (f", the batch cut into {engine.split_num_microbatches} microbatches instead of"

@@ -8,12 +8,19 @@ around each layer while profiling (profiling steps only).
 
 Each step's per-layer means enter an exponential moving average; the first step is dropped (it
 includes one-off allocation and warm-up costs). Source: DESIGN.md section 6, issue 3.
+
+Devices of unequal speed (DESIGN.md section 12): after the warm-up step the profiler calls its
+:attr:`LayerProfiler.speed_probe` once (the same workload timed on every device:
+:func:`~lightning_roundpipe.runtime.tuning.mixed.measure_device_speeds`) and from then on records
+each sample times its device's relative speed, so the profiles are times on a device of speed 1
+(the fastest) wherever a layer ran, as the simulator expects.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from typing import Callable, Sequence
 
 from lightning_roundpipe.partition.profile import LayerProfile
 
@@ -39,9 +46,17 @@ class LayerProfiler:
         self._step: dict[str, dict[int, list[float]]] = {k: defaultdict(list) for k in ("forward", "recompute", "backward")}
         self._activation_bytes: dict[int, int] = {}
         self.avg: dict[str, list[float] | None] = {"forward": None, "recompute": None, "backward": None}
+        self.device_speeds: Sequence[float] | None = None
+        """Per device, its relative speed (the fastest 1.0): samples are scaled by it (``None``: equal devices)."""
+        self.speed_probe: Callable[[], Sequence[float]] | None = None
+        """Called once, after the warm-up step: returns the measured :attr:`device_speeds`."""
 
-    def record(self, kind: str, layer_index: int, seconds: float) -> None:
-        """Add one sample: ``kind`` in ``forward``/``recompute``/``backward``, seconds for one microbatch."""
+    def record(self, kind: str, layer_index: int, seconds: float, device_index: int | None = None) -> None:
+        """Add one sample: ``kind`` in ``forward``/``recompute``/``backward``, seconds for one microbatch
+        on device ``device_index`` (scaled to a device of speed 1 when :attr:`device_speeds` are known)."""
+        speeds = self.device_speeds
+        if speeds is not None and device_index is not None:
+            seconds *= speeds[device_index]
         with self._lock:
             self._step[kind][layer_index].append(seconds)
 
@@ -55,6 +70,10 @@ class LayerProfiler:
         with self._lock:
             self.steps_seen += 1
             step, self._step = self._step, {k: defaultdict(list) for k in self._step}
+            probe = self.speed_probe if self.steps_seen == self.skip_steps else None
+        if probe is not None:  # after the warm-up step, before the first sample that counts
+            self.device_speeds = list(probe())
+        with self._lock:
             if self.steps_seen <= self.skip_steps:
                 return
             for kind, per_layer in step.items():

@@ -1,0 +1,329 @@
+"""Devices of unequal speed and memory at run time (DESIGN.md section 12; no Lightning here).
+
+RoundPipe's devices are stateless, so a faster device can take more stages and a larger one larger
+stages. An engine (passed in; this module does not import it) gets from :func:`configure_devices`:
+
+- ``cpu_device_speeds``: CPU virtual devices throttled to relative speeds
+  (:meth:`~lightning_roundpipe.runtime.backends.cpu.CpuBackend.set_speed`), so mixed GPUs can be
+  reproduced and tested on a CPU;
+- the dispatch rule its plans are built with (:func:`build_plan`): ``"round_robin"`` (the paper's),
+  ``"weighted"`` (:mod:`~lightning_roundpipe.schedule.dispatch`: each stage to the device that
+  would finish it first given its speed and load, only on devices whose memory holds it), or
+  ``"auto"``: the round robin until the profiled steps are over, then the one the simulator times
+  faster (:func:`~lightning_roundpipe.runtime.tuning.autopartition.choose_partition`);
+- the devices' relative speeds: measured after the warm-up step of the profiled steps by
+  :func:`measure_device_speeds` (the same matrix multiplies timed on each device's compute stream),
+  which also scales the profiled layer times to a device of speed 1
+  (:class:`~lightning_roundpipe.runtime.tuning.profiler.LayerProfiler`); until then the configured
+  CPU speeds, or none (equal devices). Speeds that differ by less than :data:`SPEED_TOLERANCE` are
+  taken as equal (the probe's noise on identical devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Sequence
+
+import torch
+
+from lightning_roundpipe.partition.devices import relative_speeds, stage_costs, stage_devices
+from lightning_roundpipe.runtime.backends import per_device_bytes
+from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan
+from lightning_roundpipe.schedule.dispatch import DISPATCH_RULES, DispatchPolicy
+
+__all__ = ["DISPATCH_MODES", "SPEED_TOLERANCE", "build_plan", "compares_rules", "configure_devices", "describe_devices",
+           "choose_rule", "describe_speeds", "device_stage_budgets", "dispatch_policy", "follow_profiles", "measure_device_speeds", "set_dispatch_rule"]
+
+#: Values of ``RoundPipeConfig.dispatch``: ``"auto"`` or a fixed rule.
+DISPATCH_MODES = ("auto",) + DISPATCH_RULES
+SPEED_TOLERANCE = 0.10
+"""Measured speeds whose slowest is within this fraction of the fastest are taken as equal devices:
+two identical GPUs (or CPU virtual devices sharing one host) time the probe a few percent apart."""
+_PROBE_SIZE = {"cpu": 256, "cuda": 4096}  # square matrix side of the probe's matrix multiplies
+_PROBE_MATMULS = {"cpu": 8, "cuda": 8}  # matrix multiplies per timed span
+_PROBE_SPANS = 5  # timed spans per device, after a warm-up span
+
+
+def configure_devices(engine: Any, cpu_device_speeds: Sequence[float] | None = None, dispatch: str = "auto") -> None:
+    """Set up ``engine`` (a new :class:`~lightning_roundpipe.runtime.execution.engine.RoundPipeEngine`)
+    for devices of unequal speed and memory (see the module docstring).
+
+    Args:
+        engine: the engine; its per-device memory is ``engine.device_memory_bytes`` (one int for
+            every device, one per device, or ``None``).
+        cpu_device_speeds: CPU virtual devices: per device, its relative speed (finite, > 0; scaled
+            so the fastest is 1.0): that device's compute runs ``1 / speed`` times longer.
+            ``None``: every device at the host's speed.
+        dispatch: ``"auto"``, ``"round_robin"`` or ``"weighted"``.
+
+    Raises:
+        ValueError: an unknown ``dispatch`` (valid ones listed); ``cpu_device_speeds`` of another
+            length than the devices, with a value that is not a finite number > 0, or on GPUs.
+    """
+    if dispatch not in DISPATCH_MODES:
+        raise ValueError(f"`dispatch` must be one of {list(DISPATCH_MODES)}, got {dispatch!r}. HINT: 'auto' lets the"
+                         " simulator choose after the profiled steps.")
+    num_devices = len(engine.backends)
+    engine.device_speeds = None
+    engine.device_speeds_source = None
+    if cpu_device_speeds is not None:
+        values = list(cpu_device_speeds)
+        if any(backend.is_cuda for backend in engine.backends):
+            raise ValueError("`cpu_device_speeds` applies to CPU virtual devices only: a GPU runs at its own speed,"
+                             " measured after the warm-up step. HINT: drop it, or use `accelerator='cpu'`.")
+        if len(values) != num_devices:
+            raise ValueError(f"`cpu_device_speeds` has {len(values)} entries for {num_devices} devices. HINT: one"
+                             f" relative speed per device, e.g. {[1.0] + [0.5] * (num_devices - 1)}.")
+        speeds = relative_speeds(values)
+        for backend, speed in zip(engine.backends, speeds):
+            backend.set_speed(speed)
+        engine.device_speeds = _distinct(speeds)
+        engine.device_speeds_source = "configured"
+    engine.dispatch_mode = dispatch
+    engine.dispatch_rule = "weighted" if dispatch == "weighted" else "round_robin"
+    if num_devices == 1 or not _may_differ(engine):
+        return
+    profiler = engine.executor.profiler
+    if profiler is not None:
+        profiler.speed_probe = lambda: _take_measured_speeds(engine)
+    elif dispatch == "weighted":
+        _take_measured_speeds(engine)  # no profiled steps: measure now
+
+
+def _may_differ(engine: Any) -> bool:
+    """Whether the devices' speeds are worth measuring: distinct GPUs, or CPU virtual devices with
+    configured speeds (CPU virtual devices without them, and logical devices of one GPU, are equal)."""
+    if all(backend.is_cuda for backend in engine.backends):
+        return len({backend.device for backend in engine.backends}) > 1
+    return engine.device_speeds_source == "configured"
+
+
+def _distinct(speeds: Sequence[float]) -> tuple[float, ...] | None:
+    """``speeds`` (relative, the fastest 1.0), or ``None`` when they are equal within :data:`SPEED_TOLERANCE`."""
+    return None if min(speeds) >= 1.0 - SPEED_TOLERANCE else tuple(speeds)
+
+
+def _take_measured_speeds(engine: Any) -> list[float]:
+    """Measure, keep as ``engine.device_speeds`` (equal within the tolerance: ``None``) and return the
+    speeds; plans built before are dropped (they were built with the prior speeds)."""
+    measured = measure_device_speeds(engine.backends)
+    engine.measured_device_speeds = measured
+    engine.device_speeds = _distinct(measured)
+    engine.device_speeds_source = "measured"
+    _drop_plans(engine)
+    return list(engine.device_speeds or [1.0] * len(measured))
+
+
+def _drop_plans(engine: Any) -> None:
+    engine._plans.clear()
+    engine._programs.clear()
+    engine._predictions.clear()
+
+
+def measure_device_speeds(backends: Sequence[Any]) -> list[float]:
+    """Relative compute speed of each device (the fastest 1.0): the same square matrix multiplies
+    (fp32 on CPU virtual devices, bf16 on GPUs) timed on each device's compute stream. One device
+    runs at a time, the devices take turns for :data:`_PROBE_SPANS` rounds after a warm-up round,
+    and each device's shortest span counts (work running beside the probe only lengthens a span).
+
+    A device's speed on the model's own layers is about its matrix-multiply throughput (what the
+    table of ``roundpipe plan --devices`` lists); a throttled CPU virtual device slows the probe as
+    it slows every op.
+    """
+    operands: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    spans: dict[int, list[tuple[Any, Any]]] = {index: [] for index in range(len(backends))}
+    for _ in range(_PROBE_SPANS + 1):
+        for index, backend in enumerate(backends):
+            kind = "cuda" if backend.is_cuda else "cpu"
+
+            def probe(index=index, backend=backend, kind=kind) -> None:
+                if index not in operands:
+                    dtype = torch.bfloat16 if backend.is_cuda else torch.float32
+                    generator = torch.Generator(device=backend.device).manual_seed(0)
+                    operands[index] = tuple(torch.randn(_PROBE_SIZE[kind], _PROBE_SIZE[kind], device=backend.device,
+                                                        dtype=dtype, generator=generator) for _ in range(2))
+                left, right = operands[index]
+                start = backend.mark()
+                for _ in range(_PROBE_MATMULS[kind]):
+                    left @ right
+                spans[index].append((start, backend.mark()))
+
+            context = torch.cuda.device(backend.device) if backend.is_cuda else contextlib.nullcontext()
+            with context, backend.stream_context("compute"):
+                backend.launch("compute", probe, label="device speed probe")
+            backend.synchronize()
+    shortest = []
+    for index, backend in enumerate(backends):
+        timed = [backend.elapsed_s(start, end) for start, end in spans[index][1:]]  # the first round warms up
+        shortest.append(min(timed) if timed else math.inf)
+    operands.clear()
+    return list(relative_speeds([1.0 / max(s, 1e-12) for s in shortest]))
+
+
+def device_stage_budgets(engine: Any) -> list[int | None]:
+    """Per device, bytes one stage may use: half of its memory (the next stage is prefetched):
+    ``device_memory_bytes`` (per device) when given, else a GPU's total memory shared by the logical
+    devices on it, lowered to what the profiled steps measured
+    (:meth:`~lightning_roundpipe.runtime.backends.cuda.CudaBackend.measured_stage_budget`); ``None``:
+    unlimited (CPU virtual devices without a budget)."""
+    sharing: dict = {}
+    for backend in engine.backends:
+        sharing[backend.device] = sharing.get(backend.device, 0) + 1
+    out: list[int | None] = []
+    for backend, memory in zip(engine.backends, per_device_bytes(engine.device_memory_bytes, len(engine.backends))):
+        budget = None if memory is None else memory // 2
+        if budget is None and backend.is_cuda:
+            budget = torch.cuda.get_device_properties(backend.device).total_memory // (2 * sharing[backend.device])
+        measured = backend.measured_stage_budget()
+        if measured is not None:
+            measured //= sharing[backend.device]
+            budget = measured if budget is None else min(budget, measured)
+        out.append(budget)
+    return out
+
+
+def _stage_devices(engine: Any, stages: Sequence[Any]) -> tuple[tuple[int, ...], ...] | None:
+    """Per stage, the devices whose budget holds it; ``None`` when the budgets are equal (every stage
+    may go anywhere, as in the round robin). From the partitioner's memory model on the measured
+    profiles; before them, the stage's pooled bytes (its weights and, for a backward stage, its fp32
+    gradient accumulator) against the budget.
+
+    Raises:
+        ValueError: a stage that fits no device (:func:`~lightning_roundpipe.partition.devices.stage_devices`).
+    """
+    budgets = device_stage_budgets(engine)
+    if len(set(budgets)) <= 1:
+        return None
+    if engine.measured_profiles is not None:
+        return stage_devices(engine.measured_profiles, stages, budgets)
+    out: list[tuple[int, ...]] = [()] * (max(s.stage_index for s in stages) + 1)
+    for spec in stages:
+        need = engine.store.layout(spec.layers).total_bytes
+        if spec.kind == "backward":
+            need += 4 * engine.store.accumulator_numel(spec.layers)
+        fits = tuple(d for d, budget in enumerate(budgets) if budget is None or need <= budget)
+        if not fits:
+            raise ValueError(f"RoundPipe: {spec.describe()} holds {need} bytes of weights (and fp32 gradient"
+                             f" accumulators), more than any device's per-stage budget (half its memory: {budgets})."
+                             " HINT: cut the stages finer (`forward_stages`/`backward_stages`) or give the devices"
+                             " more memory (`device_memory_bytes`).")
+        out[spec.stage_index] = fits
+    return tuple(out)
+
+
+def dispatch_policy(engine: Any, stages: Sequence[Any], rule: str | None = None) -> DispatchPolicy | None:
+    """The :class:`~lightning_roundpipe.schedule.dispatch.DispatchPolicy` the engine's plans for
+    ``stages`` are built with: ``rule`` (default: the engine's ``dispatch_rule``), the device speeds
+    (``None`` for equal devices), and for the weighted rule the stage costs of the measured profiles
+    (before them, 1 per forward layer and 3 per backward layer) and the devices that hold each
+    stage. ``None``: the plain round robin on equal devices."""
+    rule = rule or getattr(engine, "dispatch_rule", "round_robin")
+    speeds = getattr(engine, "device_speeds", None)
+    if rule == "round_robin":
+        return None if speeds is None else DispatchPolicy("round_robin", tuple(speeds))
+    profiles = engine.measured_profiles
+    costs = None if profiles is None else stage_costs(profiles, stages)
+    return DispatchPolicy("weighted", None if speeds is None else tuple(speeds), costs, _stage_devices(engine, stages))
+
+
+def build_plan(engine: Any, stages: Sequence[Any], num_microbatches: int, cursor: int,
+               microbatches_per_round: int | None, rule: str | None = None) -> ExecutionPlan:
+    """The engine's plan for ``stages``
+    (:func:`~lightning_roundpipe.schedule.roundpipe.build_roundpipe_plan` with :func:`dispatch_policy`).
+
+    Raises:
+        ValueError: as the builder, or a stage that fits no device's memory under the weighted rule.
+    """
+    return build_roundpipe_plan(stages, len(engine.backends), num_microbatches, cursor,
+                                microbatches_per_round=microbatches_per_round,
+                                dispatch=dispatch_policy(engine, stages, rule))
+
+
+def follow_profiles(engine: Any) -> None:
+    """Call between steps. Once the measured profiles arrive (or change): with a fixed partition
+    (no automatic choice runs) and ``dispatch="auto"`` on unequal devices, choose the rule here
+    (:func:`choose_rule`); under the weighted rule, drop the cached plans, so the next plans balance
+    the measured stage costs instead of the layer-count estimate."""
+    profiles = engine.measured_profiles
+    if profiles is None or getattr(engine, "_dispatch_profiles", None) is profiles:
+        return
+    engine._dispatch_profiles = profiles
+    if engine.auto_partition_after_steps is None and engine._last_call is not None and compares_rules(engine):
+        choose_rule(engine, profiles)
+    if getattr(engine, "dispatch_rule", "round_robin") == "weighted":
+        _drop_plans(engine)
+
+
+def choose_rule(engine: Any, profiles: Sequence[Any]) -> str:
+    """The dispatch rule for the engine's own partition and rounds: both rules timed by the simulator
+    on the last call's shape (:func:`~lightning_roundpipe.runtime.tuning.autopartition.simulated_step_s`),
+    the weighted one taken when :data:`~lightning_roundpipe.runtime.tuning.autopartition.DISPATCH_MARGIN`
+    faster; reported through ``engine.info`` and set (:func:`set_dispatch_rule`)."""
+    from lightning_roundpipe.runtime.tuning.autopartition import DISPATCH_MARGIN, simulated_step_s
+
+    times = {}
+    for rule in DISPATCH_RULES:
+        try:
+            times[rule] = simulated_step_s(engine, engine.partition, profiles, engine.microbatches_per_round,
+                                           engine.split_num_microbatches, dispatch_rule=rule)
+        except ValueError:  # the weighted rule: a stage no device's memory holds
+            continue
+    plain, weighted = times.get("round_robin"), times.get("weighted")
+    rule = "weighted" if weighted is not None and (plain is None or weighted < (1 - DISPATCH_MARGIN) * plain) else "round_robin"
+    shown = {name: "n/a" if value is None else f"{value * 1e3:.1f} ms" for name, value in (("weighted", weighted),
+                                                                                          ("round robin", plain))}
+    gain = "" if None in (plain, weighted) else f", {100 * (1 - weighted / plain):.1f}% faster"
+    engine.info(f"RoundPipe: dispatch {rule.replace('_', ' ')} for the fixed partition (device speeds"
+                f" {describe_speeds(engine)}): simulated step weighted {shown['weighted']} vs round robin"
+                f" {shown['round robin']}{gain}" + ("" if rule == "weighted" or weighted is None
+                                                   else f", under the {100 * DISPATCH_MARGIN:.0f}% margin"))
+    set_dispatch_rule(engine, rule)
+    return rule
+
+
+def describe_speeds(engine: Any) -> str:
+    """The engine's device speeds for a message: ``"[1.00, 0.49]"``, or ``"equal"``."""
+    speeds = getattr(engine, "device_speeds", None)
+    return "equal" if speeds is None else "[" + ", ".join(f"{s:.2f}" for s in speeds) + "]"
+
+
+def set_dispatch_rule(engine: Any, rule: str) -> None:
+    """Build the engine's plans with ``rule`` from the next call on (cached plans are dropped)."""
+    if rule not in DISPATCH_RULES:
+        raise ValueError(f"`rule` must be one of {list(DISPATCH_RULES)}, got {rule!r}.")
+    if getattr(engine, "dispatch_rule", "round_robin") != rule:
+        engine.dispatch_rule = rule
+        _drop_plans(engine)
+
+
+def compares_rules(engine: Any) -> bool:
+    """Whether the automatic choice times both dispatch rules: ``dispatch="auto"`` on several devices
+    that differ in speed (measured or configured) or in memory."""
+    if getattr(engine, "dispatch_mode", "auto") != "auto" or len(engine.backends) == 1:
+        return False
+    return getattr(engine, "device_speeds", None) is not None or len(set(device_stage_budgets(engine))) > 1
+
+
+def describe_devices(engine: Any) -> str | None:
+    """A line on the devices' speeds, memory and the dispatch rule (for the setup announcement);
+    ``None`` for equal devices under the default rule."""
+    speeds = getattr(engine, "device_speeds", None)
+    budgets = per_device_bytes(engine.device_memory_bytes, len(engine.backends))
+    mode = getattr(engine, "dispatch_mode", "auto")
+    unequal_memory = len(set(budgets)) > 1
+    if speeds is None and not unequal_memory and mode == "auto" and getattr(engine, "device_speeds_source", None) is None:
+        return None
+    parts = []
+    if speeds is not None:
+        parts.append(f"relative speeds {[round(s, 3) for s in speeds]} ({engine.device_speeds_source})")
+    if unequal_memory:
+        parts.append(f"memory {[None if b is None else round(b / 2**20, 1) for b in budgets]} MiB")
+    what = "; ".join(parts) or "equal devices so far"
+    rule = {"auto": "dispatch 'auto': round robin until the profiled steps are over (the device speeds are measured"
+                    " after the warm-up step), then the simulator compares it with the weighted dispatch and keeps"
+                    " the faster",
+            "round_robin": "dispatch 'round_robin' (stage k on device k mod D)",
+            "weighted": "dispatch 'weighted': each stage to the device that would finish it first given its speed"
+                        " and load, on devices whose memory holds it"}[mode]
+    return f"RoundPipe: devices: {what}; {rule}."
