@@ -13,12 +13,15 @@ nodes the host gradients are averaged before the optimizer step
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Sequence
 
 import torch
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -101,7 +104,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     Args:
         num_microbatches, module, partition, profile_steps, fused_loss, forward_stages,
             backward_stages, chunk_bytes, microbatches_per_round, balance_microbatches, cpu_link_bytes_per_s,
-            debug_copy_delay_s, check_streams, device_memory_bytes, optimizer, trace_every_n_steps, peak_flops, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
+            debug_copy_delay_s, check_streams, device_memory_bytes, optimizer, overlap_batches, trace_every_n_steps, peak_flops, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
             (type, unit, default and meaning are documented there), gathered into :attr:`config`. In
             short: ``num_microbatches`` (default devices + 1), ``module`` (the attribute to pipeline),
             ``partition`` (``"auto"``: re-cut from ``profile_steps`` profiled steps), ``fused_loss``
@@ -111,7 +114,9 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             may cut the batch into a multiple of the devices), ``cpu_link_bytes_per_s`` and
             ``debug_copy_delay_s`` (CPU virtual devices), ``device_memory_bytes`` (one device's memory,
             enforced on CPU virtual devices), ``optimizer`` (``"sync"`` or ``"async"``,
-            see *Asynchronous optimizer* below), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
+            see *Asynchronous optimizer* below), ``overlap_batches`` (the next batch's pipeline is issued
+            while this one drains: accumulated batches in ``"sync"``, every step in ``"async"``),
+            ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
             timeline PNG every N batches into ``<trainer.log_dir>/roundpipe/`` and W&B, with a logger; 0: off),
             ``peak_flops`` (device peak FLOP/s for ``roundpipe/mfu(%)``; looked up by GPU name),
             ``data_parallel`` (:class:`~lightning_roundpipe.DataParallel`: the data parallelism across
@@ -137,7 +142,10 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
       (``16-mixed``, inf gradients) hands nothing to the thread, so the step after it computes on
       the current weights. When fit ends, all updates are applied.
     - ``on_before_optimizer_step``, gradient clipping and ``on_after_backward`` run in the main
-      thread on the step's gradient, before its update is handed to the thread. ``zero_grad`` and
+      thread on the step's gradient, before its update is handed to the thread. In the steady state
+      (``overlap_batches=True``: step ``j + 1``'s pipeline is issued while step ``j``'s drains; the
+      staleness above is unchanged) step ``j``'s ``on_before_optimizer_step`` and clipping run when
+      its gradient is complete, during step ``j + 1``'s ``training_step`` (docs/usage.md). ``zero_grad`` and
       LR scheduler steps called while an update is in flight run in the main thread at the next
       wait, right after that update (the update of step ``j`` uses the same learning rate as in
       ``"sync"``); a callback reading ``param_groups``' ``lr`` in ``on_train_batch_start``/``end``
@@ -189,6 +197,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         check_streams: bool | None = None,
         device_memory_bytes: int | None = None,
         optimizer: str = "sync",
+        overlap_batches: bool = True,
         trace_every_n_steps: int | None = DEFAULT_TRACE_EVERY_N_STEPS,
         peak_flops: float | None = None,
         data_parallel: DataParallel | None = None,
@@ -206,7 +215,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
                  "cpu_link_bytes_per_s": cpu_link_bytes_per_s,
                  "debug_copy_delay_s": debug_copy_delay_s, "check_streams": check_streams,
                  "device_memory_bytes": device_memory_bytes, "optimizer": optimizer,
-                 "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops,
+                 "overlap_batches": overlap_batches, "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops,
                  "data_parallel": DataParallel() if data_parallel is None else data_parallel}
         self.config = _make_config(config, given)
         # the plugin used while none is set; not stored in `_precision_plugin`, which Lightning reads as the user's choice
@@ -310,9 +319,14 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             self._warned_rounding = True
             rank_zero_warn(rounding)
         if fitting and self.optimizer_mode == "async":
-            self._async = AsyncOptimizer()
+            # the steady state (DESIGN.md section 11) needs the gradients only at the optimizer step: not with a
+            # GradScaler (it unscales and checks them inside the plugin's step), accumulation or several nodes
+            steady = (self.config.overlap_batches and getattr(precision, "scaler", None) is None
+                      and self.num_nodes == 1 and trainer.accumulate_grad_batches == 1)
+            self._async = AsyncOptimizer(steady=steady)
             try:
-                self._async.install(trainer, self.lightning_module, self.optimizers, self.engine)
+                self._async.install(trainer, self.lightning_module, self.optimizers, self.engine,
+                                    precision=getattr(precision, "plugin", precision))
             except BaseException:
                 self._async.uninstall()
                 self._async = None
@@ -392,10 +406,35 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._train_batches_started += 1
+        if self.engine is not None:
+            self.engine.overlap_next = self._may_overlap()
         # after the first training step: warn early, not only at teardown (with "async" the step's backward
         # stages may still run now, so only teardown, after the drain, reads the replicas)
         if self._train_batches_started == 2 and self._async is None:
             self._warn_diverged_attributes()
+
+    def _may_overlap(self) -> bool:
+        """Whether this batch's pipeline may still drain when its backward returns (DESIGN.md section 11):
+        ``overlap_batches``, and in ``"sync"`` mode a batch that does not step the optimizer, in ``"async"``
+        mode every batch of the steady state (:attr:`AsyncOptimizer.steady`); and neither the
+        LightningModule nor a callback overrides ``on_after_backward`` (which would read its gradients)."""
+        trainer = self.lightning_module.trainer
+        if not self.config.overlap_batches:
+            return False
+        if self._async is not None:
+            if not self._async.steady:
+                return False
+        elif not trainer.fit_loop._should_accumulate():
+            return False
+        if is_overridden("on_after_backward", self.lightning_module, LightningModule):
+            return False
+        return not any(is_overridden("on_after_backward", callback, Callback) for callback in trainer.callbacks)
+
+    def drain(self) -> None:
+        """Finish the overlapped batches still in flight (``accumulate_grad_batches > 1``): their
+        gradients land in ``.grad``, their buffers in the masters (:meth:`RoundPipeEngine.drain`)."""
+        if self.engine is not None:
+            self.engine.drain()
 
     def _find_module(self) -> nn.Module:
         lm = self.lightning_module
@@ -468,11 +507,13 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.drain()
         self.wait_for_optimizer()
         return super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, torch.Tensor]:
+        self.drain()
         self.wait_for_optimizer()
         return super().optimizer_state(optimizer)
 
@@ -481,6 +522,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         """Also keeps the engine's profiling progress and automatic choice (plain values) under
         ``"roundpipe_plan"``, so a resumed fit goes on with the plan of the straight run. The file gets
         the key, the ``checkpoint`` dict the ``on_save_checkpoint`` hooks saw is left as it was."""
+        self.drain()
         self.wait_for_optimizer()
         state = self._finished_plan if self.engine is None else plan_state(self.engine)
         if state is not None:
@@ -499,12 +541,16 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        self.drain()
         if self._async is not None:
             self._async.synchronize()
         super().on_train_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self.engine is not None:  # the batches before the failing one keep their gradients
+            with contextlib.suppress(BaseException):
+                self.engine.drain()
         if self._async is not None:
             self._async.wait(raise_errors=False)
         super().on_exception(exception)  # several nodes: leave the process group, so every rank stops

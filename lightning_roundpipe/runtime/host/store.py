@@ -90,6 +90,7 @@ class _Tensor:
     dtype: torch.dtype  # upload dtype
     shadow: torch.Tensor | None = None
     version: tuple[int, int] | None = None
+    spare: torch.Tensor | None = None  # the second snapshot bank's copy (WeightStore.refresh_snapshot)
     original_dtype: torch.dtype | None = None  # frozen parameter converted in place: its dtype before
 
 
@@ -168,6 +169,9 @@ class WeightStore:
         """Asynchronous optimizer: the shadows of trainable parameters are always copies (never the
         master itself), and only ``refresh(force=True)`` changes any shadow, so the pipeline reads a
         snapshot while the optimizer thread updates the masters (paper section 4)."""
+        self.read_bank = 0
+        """The snapshot bank (0 or 1) the runs started from now on upload from (:meth:`refresh_snapshot`);
+        always 0 outside the asynchronous steady state."""
         self.tensors: dict[int, _Tensor] = {}
         # (name, master key) per layer, captured once in the main thread: workers never read the modules' attributes
         self.entries: list[list[tuple[str, int]]] = []
@@ -214,7 +218,7 @@ class WeightStore:
             data.copy_(master.detach())
             master.data = data
             entry.original_dtype = None
-            entry.shadow = entry.version = None
+            entry.shadow = entry.version = entry.spare = None
 
     @property
     def frozen_in_compute_dtype(self) -> list[torch.Tensor]:
@@ -298,9 +302,52 @@ class WeightStore:
         entry.version = (master.data_ptr(), master._version)
         return entry.shadow.numel() * entry.shadow.element_size()
 
-    def host_bytes(self, key: int) -> torch.Tensor:
-        """The shadow of tensor ``key`` as a flat ``uint8`` view."""
-        shadow = self.tensors[key].shadow
+    def refresh_snapshot(self) -> int:
+        """Asynchronous steady state (DESIGN.md section 11): copy every master that has a shadow copy
+        into the snapshot bank no run reads now (``1 - read_bank``) and make it :attr:`read_bank`.
+        A run keeps the bank it started with, so the run still draining uploads the previous weights
+        while the next one uploads these. The caller guarantees that the run which last read the
+        target bank has finished and that no optimizer step is in flight. Each shadow copy exists
+        twice (bytes: twice the trainable parameters in the upload dtype).
+
+        Returns:
+            Bytes copied.
+
+        Raises:
+            ValueError: a frozen parameter held in the compute dtype was unfrozen.
+        """
+        self.stale_entries(force=True)  # sets up the entries that need no copy (their master serves)
+        # every copy, whatever its version counter says: a fused optimizer step on the optimizer thread
+        # bumps none (see `mark_stale`)
+        keys = [key for key, entry in self.tensors.items() if self._needs_copy(entry)]
+        bank, copied = 1 - self.read_bank, 0
+        for key in keys:
+            if bank == 0:
+                copied += self.refresh_entry(key)
+                continue
+            entry = self.tensors[key]
+            master = entry.master.detach()
+            if entry.spare is None or entry.spare.shape != master.shape:
+                entry.spare = pinned_empty(master.shape, entry.dtype, pin=self.pin_memory)
+            entry.spare.copy_(master)
+            copied += entry.spare.numel() * entry.spare.element_size()
+        self.read_bank = bank
+        return copied
+
+    def end_snapshot(self) -> None:
+        """Leave :attr:`snapshot` mode: one bank again, the second bank's copies freed, every shadow
+        copy stale (the next run copies it from its master)."""
+        self.snapshot, self.read_bank = False, 0
+        for entry in self.tensors.values():
+            entry.spare = None
+            if entry.shadow is not None and entry.shadow.data_ptr() != entry.master.data_ptr():
+                entry.version = None
+
+    def host_bytes(self, key: int, bank: int = 0) -> torch.Tensor:
+        """The shadow of tensor ``key`` in snapshot ``bank`` (:meth:`refresh_snapshot`) as a flat
+        ``uint8`` view."""
+        entry = self.tensors[key]
+        shadow = entry.spare if bank == 1 and entry.spare is not None else entry.shadow
         if shadow is None:
             raise RuntimeError("RoundPipe weight store used before `refresh()`.")
         return shadow.reshape(-1).view(torch.uint8)
@@ -368,12 +415,12 @@ class WeightStore:
                    if self.tensors[k].is_param and self.tensors[k].master.requires_grad
                    and needs_fp32_accumulation(self.tensors[k].dtype))
 
-    def chunk_pieces(self, layout: StageLayout, buffer: torch.Tensor, start: int, stop: int
+    def chunk_pieces(self, layout: StageLayout, buffer: torch.Tensor, start: int, stop: int, bank: int = 0
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(device bytes, host bytes)`` pieces that fill ``buffer[start:stop]``."""
+        """``(device bytes, host bytes)`` pieces that fill ``buffer[start:stop]`` from snapshot ``bank``."""
         pieces = []
         for key, offset in zip(layout.tensors, layout.offsets):
-            src = self.host_bytes(key)
+            src = self.host_bytes(key, bank)
             lo, hi = max(start, offset), min(stop, offset + src.numel())
             if lo < hi:
                 pieces.append((buffer[lo:hi], src[lo - offset:hi - offset]))
