@@ -66,14 +66,16 @@ class Tokens(Dataset):
 
 
 class Module(L.LightningModule):
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: str) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.optimizer_name = model, optimizer
 
     def training_step(self, batch, batch_idx):
         return self.model(**batch).loss
 
     def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.model.parameters(), lr=1e-3)
         return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
 
@@ -169,7 +171,7 @@ def run(mode: str, cut: tuple[list, list], args) -> dict:
         return len(clock.starts)
 
     Executor.finish = finish
-    module = Module(make_model(args))
+    module = Module(make_model(args), args.optimizer)
     strategy = lightning_roundpipe.RoundPipeStrategy(
         num_microbatches=args.microbatches, forward_stages=cut[0], backward_stages=cut[1],
         profile_steps=profile_steps, trace_every_n_steps=0, **kwargs)
@@ -186,6 +188,13 @@ def run(mode: str, cut: tuple[list, list], args) -> dict:
     per_batch = statistics.median(b - a for a, b in zip(starts, starts[1:]))
     timelines = [timeline for count, timeline in finished if count > skip and timeline is not None]
     predicted = clock.predicted  # the programs each batch ran (one batch's, also when accumulating)
+    if args.verbose:
+        ops = [(i.kind, i.end_s - i.start_s) for t in timelines for i in t.intervals if i.stream == "compute"]
+        kinds = sorted({k for k, _ in ops})
+        print(f"  {mode}: {len(timelines)} timelines, compute busy "
+              f"{sum(d for _, d in ops) / args.batches / accumulate:.4f} s/batch; mean op s "
+              + ", ".join(f"{k}={statistics.mean(d for kk, d in ops if kk == k):.4f}x{sum(1 for kk, _ in ops if kk == k)}"
+                          for k in kinds))
     return {"step": per_batch, "idle": busy_idle(timelines, args.devices),
             "predicted": statistics.median(predicted) if predicted else float("nan"),
             "predicted_idle": clock.predicted_idle}
@@ -203,17 +212,22 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--cuts", default="odd,even")
+    parser.add_argument("--verbose", action="store_true", help="per mode: compute busy seconds and mean op times")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     modes = args.modes.split(",")
     for cut_name, cut in cuts(args.layers).items():
+        if cut_name not in args.cuts.split(","):
+            continue
         measured: dict[str, list[dict]] = {mode: [] for mode in modes}
         for _ in range(args.repeats):
             for mode in modes:
                 measured[mode].append(run(mode, cut, args))
         print(f"\n{cut_name} cut: forward {cut[0]} + fused tail, {args.devices} CPU virtual devices, Llama"
               f" {args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq} tokens,"
-              f" {args.microbatches} microbatches, {args.repeats} repeats")
+              f" {args.microbatches} microbatches, {args.optimizer}, {args.repeats} repeats")
         print(f"{'mode':<21}{'s/batch':>9}{'predicted':>11}{'meas/pred':>11}{'bubble %':>10}{'predicted %':>13}")
         medians = {}
         for mode in modes:

@@ -164,3 +164,33 @@ def test_error_while_previous_batch_drains_surfaces_and_keeps_its_gradients(monk
     assert ref_grads.keys() == got_grads.keys() and ref_grads
     assert max_diff(ref_grads, got_grads) <= TOL
     assert max_diff(ref_params, got_params) == 0.0  # no optimizer step ran
+
+
+class _Peaks(L.Callback):
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self.one_bank = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        engine = trainer.strategy.engine
+        self.peaks = [backend.memory.peak_bytes for backend in engine.backends]
+        self.one_bank = engine.executor.one_bank
+
+
+def test_a_second_pool_bank_that_does_not_fit_turns_the_overlap_off(caplog):
+    """With a device budget that holds one drained batch (its measured peak, + 10 %) but not a second
+    set of pools, the overlapped batches fall back to one program at a time, say so once, and the
+    result is still the default strategy's (the budget ledger is the oracle of what fits)."""
+    peaks = _Peaks()
+    fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), devices=2, callbacks=[peaks],
+               strategy=_strategy(overlap_batches=False, device_memory_bytes=2**30), **ACCUMULATE)
+    budget = int(max(peaks.peaks) * 1.1)
+    ref = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), **ACCUMULATE)
+    tight = _Peaks()
+    with caplog.at_level("INFO"):
+        got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), devices=2, callbacks=[tight],
+                         strategy=_strategy(device_memory_bytes=budget), **ACCUMULATE)
+    assert tight.one_bank is not None and "DeviceMemoryError" in tight.one_bank
+    assert max(tight.peaks) <= budget
+    assert sum("no longer overlaps" in record.getMessage() for record in caplog.records) == 1
+    assert max_diff(ref, got) <= TOL

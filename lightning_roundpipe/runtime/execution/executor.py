@@ -88,6 +88,9 @@ class Executor(TransferOps):
         self.in_flight: list[ProgramRun] = []
         """Runs started (:meth:`start`) and not yet finished (:meth:`finish`), oldest first: at most
         two, on different pool banks."""
+        self.one_bank: str | None = None
+        """Why programs no longer overlap (the second pool bank did not fit in a device's memory: the
+        error), else ``None``."""
         self.peak_grad_bytes = 0  # most bytes of gradients (.grad and host buffers) at once since the last pop
         self.grads_final_hook: Callable[[range, dict | None], None] | None = None
         """Host thread, after a backward stage's last dispatch of the program added its gradients
@@ -154,8 +157,26 @@ class Executor(TransferOps):
         if stale:
             while self.in_flight:
                 self.finish(self.in_flight[0])
+        if self.in_flight and self.one_bank is not None:
+            while self.in_flight:
+                self.finish(self.in_flight[0])
         bank = 1 - self.in_flight[-1].bank if self.in_flight else 0
-        self._reserve_pools(program, state.keep, bank)
+        try:
+            self._reserve_pools(program, state.keep, bank)
+        except torch.OutOfMemoryError as error:
+            if not self.in_flight:
+                raise
+            self.one_bank = f"{type(error).__name__}: {error}"
+        if self.one_bank is not None and bank == 1:
+            # the second bank does not fit: free it (outside the handler: its traceback holds the new
+            # buffers), finish the run in flight, and from now on run one program at a time (the overlap
+            # costs a second set of pools; DESIGN.md section 4)
+            for backend in self.backends:
+                del backend.banks[1:]
+            while self.in_flight:
+                self.finish(self.in_flight[0])
+            bank = 0
+            self._reserve_pools(program, state.keep, bank)
         checker = self.backends[0].checker if self.backends else None
         if checker is not None:
             if self.in_flight:

@@ -67,6 +67,7 @@ class StepOverlap:
         self.engine = engine
         self.pending: list[_Pending] = []
         self._open: list[_Pending] = []  # calls whose gradients are not in .grad yet
+        self.told_one_bank = False
 
     # ------------------------------------------------------------------ finishing
     def _finish(self, pending: _Pending) -> None:
@@ -166,6 +167,11 @@ class StepOverlap:
         engine._last_call, engine._last_sizes = (m, True), list(sizes)
         program = engine.program(m, engine._advance(len(engine.fused_stages)), fused=True)
         run = engine.executor.start(program, state)  # behind the previous call's drain, if one is in flight
+        if engine.executor.one_bank is not None and not self.told_one_bank:
+            self.told_one_bank = True
+            engine.info("RoundPipe: the next batch's pipeline no longer overlaps the previous one's drain: a second"
+                        f" set of device pools does not fit ({engine.executor.one_bank}). HINT: smaller stages"
+                        " (`device_memory_bytes`, `partition='auto'`) or fewer microbatch rows bring the overlap back.")
         try:
             self.drain()  # the previous call's run: its gradients go into .grad before this call's
         except BaseException:
