@@ -17,8 +17,11 @@ times, modes interleaved, so a shared machine slows all alike. Printed per mode:
 batch (median of the batch-to-batch times after the profiled steps and ``--warmup`` batches), the
 mean measured bubble (per device, the share of the measured window its compute stream ran no op,
 from the executor's timelines on the host clock), and the strategy's own prediction
-(``roundpipe/predicted_step(s)``, median over the same batches: the steady-state program for
-``async``, the drained programs otherwise) with the simulator's mean idle for that mode. Then the
+(``roundpipe/predicted_step(s)``, median over the same batches, for the drained modes; the
+simulator's steady-state program, the host's optimizer step at its measured rate included, for
+``async`` and ``sync-accum4``) with the simulator's mean idle for that mode. ``--verbose`` also
+prints the compute streams' busy seconds per batch and mean op times per kind (CPU contention: the
+overlapped modes leave no bubble for the host's own work). Then the
 ratios async / sync and sync-accum4 / sync-accum4-drained, measured and predicted.
 
 Run: ``python benchmarks/steady_state.py [--devices 2] [--layers 8] [--hidden 128] [--seq 128]
@@ -38,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_roundpipe
 from lightning_roundpipe.runtime.execution.executor import Executor
+from lightning_roundpipe.runtime.tuning.optimizer_mode import predicted_optimizer_s
 from lightning_roundpipe.schedule.roundpipe import build_steady_state_plan
 from lightning_roundpipe.schedule.steady import lower_steady_state
 from lightning_roundpipe.simulate import simulate_program
@@ -108,10 +112,11 @@ class Clock(L.Callback):
     def __init__(self, skip: int, mode: str, accumulate: int, microbatches: int) -> None:
         self.skip, self.starts, self.predicted = skip, [], []
         self.mode, self.accumulate, self.microbatches = mode, accumulate, microbatches
-        self.predicted_idle = float("nan")
+        self.predicted_idle, self.predicted_steady = float("nan"), None
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.predicted_idle = predicted_idle(trainer.strategy.engine, self.mode, self.accumulate, self.microbatches)
+        self.predicted_steady, self.predicted_idle = predicted_idle(trainer.strategy.engine, self.mode, self.accumulate,
+                                                                    self.microbatches)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
@@ -131,7 +136,10 @@ def busy_idle(timelines: list, num_devices: int) -> float:
                for device in range(num_devices)) / num_devices
 
 
-def predicted_idle(engine, mode: str, accumulate: int, microbatches: int) -> float:
+def predicted_idle(engine, mode: str, accumulate: int, microbatches: int) -> tuple[float | None, float]:
+    """The simulator's (seconds per batch, mean idle %) for the mode: the steady-state program for the
+    overlapped modes (the host's ``OPT`` at the measured optimizer rate), the drained program's idle
+    (seconds ``None``: the strategy's own ``roundpipe/predicted_step(s)`` is used) otherwise."""
     stages, devices = engine.fused_stages, len(engine.backends)
     weights = engine.microbatch_weights(microbatches)
     if mode in ("async", "sync-accum4"):
@@ -145,11 +153,13 @@ def predicted_idle(engine, mode: str, accumulate: int, microbatches: int) -> flo
             plan, stage_weight_bytes=[engine.store.stage_bytes(s.layers) for s in plan.stages],
             stage_grad_bytes=[engine.store.stage_grad_bytes(s.layers) if s.kind == "backward" else 0
                               for s in plan.stages], chunk_bytes=engine.chunk_bytes, validate=False)
-        return simulate_steady_program(program, engine.measured_profiles, engine.hardware_model(),
-                                       measure_from_window=first, microbatch_weights=weights).mean_idle_pct
+        steady = simulate_steady_program(program, engine.measured_profiles, engine.hardware_model(),
+                                         optimizer_step_s=predicted_optimizer_s(engine) or 0.0,
+                                         measure_from_window=first, microbatch_weights=weights)
+        return steady.step_s, steady.mean_idle_pct
     program = engine.program(microbatches, 0, fused=True)
-    return simulate_program(program, engine.measured_profiles, engine.hardware_model(),
-                            microbatch_weights=weights).mean_idle_pct
+    return None, simulate_program(program, engine.measured_profiles, engine.hardware_model(),
+                                  microbatch_weights=weights).mean_idle_pct
 
 
 def run(mode: str, cut: tuple[list, list], args) -> dict:
@@ -196,7 +206,8 @@ def run(mode: str, cut: tuple[list, list], args) -> dict:
               + ", ".join(f"{k}={statistics.mean(d for kk, d in ops if kk == k):.4f}x{sum(1 for kk, _ in ops if kk == k)}"
                           for k in kinds))
     return {"step": per_batch, "idle": busy_idle(timelines, args.devices),
-            "predicted": statistics.median(predicted) if predicted else float("nan"),
+            "predicted": (clock.predicted_steady if clock.predicted_steady is not None
+                          else statistics.median(predicted) if predicted else float("nan")),
             "predicted_idle": clock.predicted_idle}
 
 
