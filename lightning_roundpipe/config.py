@@ -243,6 +243,14 @@ class RoundPipeConfig:
     between two pipelines. ``"async"``: the paper's mode (section 4): the CPU optimizer step of step k
     runs on a background thread while the pipeline of step k+1 runs on the weights from before it."""
 
+    overlap_batches: bool = True
+    """``bool``; default ``True``: issue the next batch's pipeline while this batch's backward stages
+    still drain (DESIGN.md section 11): with ``optimizer="sync"`` the accumulated batches that do not
+    step the optimizer (``accumulate_grad_batches > 1``, exact); with ``optimizer="async"`` every
+    step, the paper's steady state (weights one step stale, as without it). ``False``: every batch's
+    pipeline drains before its backward returns (for comparison). ``docs/usage.md`` says what the
+    hooks see."""
+
     trace_every_n_steps: int | None = DEFAULT_TRACE_EVERY_N_STEPS
     """``int >= 0`` or ``None``, training batches; default 50. Write a Chrome/Perfetto trace and a timeline
     PNG (measured step beside the simulator's) of one training batch every this many batches, counted from
@@ -287,6 +295,9 @@ class RoundPipeConfig:
         if not _is_int(self.profile_steps) or self.profile_steps < 2:
             raise ValueError(f"`profile_steps` must be an int >= 2 (the first step is warm-up),"
                              f" got {self.profile_steps!r}. HINT: the default is 3.")
+        if not isinstance(self.overlap_batches, bool):
+            raise TypeError(f"`overlap_batches` must be a bool, got {self.overlap_batches!r}."
+                            " HINT: `overlap_batches=False` drains the pipeline at every batch.")
         if not isinstance(self.fused_loss, bool):
             raise TypeError(f"`fused_loss` must be a bool, got {self.fused_loss!r}."
                             " HINT: `fused_loss=False` returns logits from a training call with `labels`.")

@@ -95,11 +95,13 @@ class Module(L.LightningModule):
 
 def reference(model: nn.Module, batches: list, optimizer: str, lr: float, steps: int, stale: bool = True,
               accumulate: int = 1, clip: float | None = None, scheduler: bool = False,
-              refresh_after: tuple[int, ...] = (), split: int = 1) -> list[tuple[dict, dict]]:
+              refresh_after: tuple[int, ...] = (), split: int = 1, grads_out: list | None = None,
+              losses_out: list | None = None) -> list[tuple[dict, dict]]:
     """Plain-torch training, one step stale when ``stale``: ``(parameters, optimizer state)`` after
     every optimizer step. ``refresh_after``: steps after which the computing copy takes the current
     weights (a validation run during async fit refreshes the pipeline's weights). ``split``: each
-    batch's gradient summed over that many row microbatches by hand (:func:`_split_loss`)."""
+    batch's gradient summed over that many row microbatches by hand (:func:`_split_loss`). ``grads_out``
+    / ``losses_out``: receive each step's gradient before clipping (by parameter name) / each batch's loss."""
     live = copy.deepcopy(model)
     view = copy.deepcopy(model)  # the weights the pipeline computes on
     opt = make_optimizer([p for p in live.parameters() if p.requires_grad], optimizer, lr)
@@ -111,8 +113,13 @@ def reference(model: nn.Module, batches: list, optimizer: str, lr: float, steps:
             view.load_state_dict(live.state_dict())
         view.zero_grad(set_to_none=True)
         for _ in range(accumulate):
-            (_split_loss(view, next(batches), split) / accumulate).backward()
+            loss = _split_loss(view, next(batches), split)
+            (loss / accumulate).backward()
+            if losses_out is not None:
+                losses_out.append(loss.detach().clone())
         grads = [p.grad.clone() for p in view.parameters() if p.requires_grad]
+        if grads_out is not None:
+            grads_out.append({n: p.grad.clone() for n, p in view.named_parameters() if p.requires_grad})
         view.load_state_dict(live.state_dict())  # W_{step-1}: what the next step computes on
         for param, grad in zip([p for p in live.parameters() if p.requires_grad], grads):
             param.grad = grad

@@ -261,7 +261,7 @@ def test_shadows_are_refreshed_off_the_main_thread_in_upload_order(monkeypatch):
     from lightning_roundpipe.runtime.host.store import WeightStore
 
     events: list = []  # ("run", executor, program) then ("copy", thread name, key) for each shadow copied
-    real_copy, real_run = WeightStore.refresh_entry, Executor.run
+    real_copy, real_run = WeightStore.refresh_entry, Executor.start  # every program is issued by `start`
 
     def copy_spy(self, key):
         events.append(("copy", threading.current_thread().name, key))
@@ -272,7 +272,7 @@ def test_shadows_are_refreshed_off_the_main_thread_in_upload_order(monkeypatch):
         return real_run(self, program, state)
 
     monkeypatch.setattr(WeightStore, "refresh_entry", copy_spy)
-    monkeypatch.setattr(Executor, "run", run_spy)
+    monkeypatch.setattr(Executor, "start", run_spy)
     ref = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), max_steps=3, precision="bf16-mixed")
     got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), devices=2, max_steps=3,
                      precision="bf16-mixed",

@@ -27,6 +27,7 @@ Lightning's training loop:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -72,8 +73,16 @@ class _WaitCallback(Callback):
         self.controller.synchronize()
 
     @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # the steady state's last step of an epoch or of fit: its hooks run (and log) within this batch
+        loop = trainer.fit_loop.epoch_loop
+        if self.controller.steady and (loop.batch_progress.is_last_batch or trainer.should_stop
+                                       or 0 <= trainer.max_steps <= trainer.global_step):
+            self.controller.settle()
+
+    @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self.controller.wait()
+        self.controller.settle()
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -91,18 +100,28 @@ class AsyncOptimizer:
         steps_submitted: optimizer steps handed to the thread so far.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, steady: bool = False) -> None:
+        self.steady = steady
+        """The steady state (DESIGN.md section 11): a step's pipeline may still drain when its backward
+        returns; the next step's pipeline is issued behind it (the strategy marks which batches)."""
         self.stepper: BackgroundStepper | None = None
         self.engine = None
         self.steps_submitted = 0
+        self._held: _HeldStep | None = None  # a recorded step whose gradients are not complete yet
+        self._after_held: list[Callable[[], Any]] = []  # deferred calls that belong after the held step's update
+        self._snapshot_lag = 0  # updates handed to the thread since the pipeline's snapshot was taken
+        self._precision = None
         self._patches: list[tuple[Any, str, bool, Any]] = []
         self._after_wait: list[Callable[[], Any]] = []  # deferred calls, run in order after the next wait
         self._callback: _WaitCallback | None = None
         self._trainer = None
 
     # ------------------------------------------------------------------ install / uninstall
-    def install(self, trainer: Any, lightning_module: Any, optimizers: list, engine: Any) -> None:
-        """Check the fit can run asynchronously, then hook the optimizers, the module and the engine.
+    def install(self, trainer: Any, lightning_module: Any, optimizers: list, engine: Any,
+                precision: Any = None) -> None:
+        """Check the fit can run asynchronously, then hook the optimizers, the module and the engine
+        (and, in the steady state, ``precision``: the strategy's precision plugin, whose
+        ``_after_closure`` (``on_before_optimizer_step`` hooks and clipping) waits for the gradients).
 
         Raises:
             ValueError: for manual optimization, an optimizer that re-evaluates its closure
@@ -118,6 +137,11 @@ class AsyncOptimizer:
         engine.store.snapshot = True
         engine.store.refresh(force=True)
         engine.grad_barrier = self.wait
+        if self.steady:
+            self._precision = precision
+            engine.before_fused_start = self._before_program
+            engine.on_gradients_complete = self._gradients_complete
+            engine.overlaps_steps = True  # the automatic choice and the predictions simulate the steady state
         for optimizer in optimizers:
             self._patch(optimizer, "zero_grad", self._deferred(optimizer.zero_grad))
         self._patch(lightning_module, "lr_scheduler_step",
@@ -139,6 +163,8 @@ class AsyncOptimizer:
             self.stepper.close()
             self.stepper = None
         self._after_wait.clear()
+        self._after_held.clear()
+        self._held = None
         for owner, name, had, old in reversed(self._patches):
             if had:
                 owner.__dict__[name] = old
@@ -147,7 +173,9 @@ class AsyncOptimizer:
         self._patches.clear()
         if self.engine is not None:
             self.engine.grad_barrier = None
-            self.engine.store.snapshot = False
+            self.engine.before_fused_start = self.engine.on_gradients_complete = None
+            self.engine.overlaps_steps = False
+            self.engine.store.end_snapshot()
             self.engine = None
         if self._trainer is not None and self._callback in self._trainer.callbacks:
             self._trainer.callbacks.remove(self._callback)
@@ -165,6 +193,9 @@ class AsyncOptimizer:
 
         @functools.wraps(original)
         def deferred(*args: Any, **kwargs: Any) -> Any:
+            if self._held is not None:  # called after a step whose update is not handed over yet
+                self._after_held.append(functools.partial(original, *args, **kwargs))
+                return None
             if self.stepper is not None and self.stepper.pending:
                 self._after_wait.append(functools.partial(original, *args, **kwargs))
                 return None
@@ -196,11 +227,65 @@ class AsyncOptimizer:
             for call in queued:
                 call()
 
-    def synchronize(self) -> None:
-        """:meth:`wait`, then refresh the pipeline's weight snapshot from the masters."""
+    def settle(self) -> None:
+        """In the steady state, drain the pipeline first (the held step's gradients complete, its hooks
+        run and its update handed to the thread: :meth:`_gradients_complete`); then :meth:`wait`."""
+        if self.steady and self.engine is not None:
+            self.engine.drain()
         self.wait()
+
+    def synchronize(self) -> None:
+        """:meth:`settle`, then refresh the pipeline's weight snapshot from the masters (the next
+        step computes on the current weights)."""
+        self.settle()
         if self.engine is not None:
-            self.engine.store.refresh(force=True)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        store = self.engine.store
+        if self.steady:  # into the bank no run in flight reads
+            target = 1 - store.read_bank
+            if any(run.shadow_bank == target and not run.done for run in self.engine.executor.in_flight):
+                raise RuntimeError("RoundPipe: a weight snapshot refresh would overwrite the bank a running"
+                                   " pipeline uploads from (internal error; please report it).")
+            store.refresh_snapshot()
+        else:
+            store.refresh(force=True)
+        self._snapshot_lag = 0
+
+    # ------------------------------------------------------------------ steady state
+    def _before_program(self) -> None:
+        """Before a fused program is issued: its snapshot must hold every update but the latest
+        step's (one step stale). With a step held for its gradients, that is every update handed
+        over; else the one in flight may be missing."""
+        if self._snapshot_lag > (0 if self._held is not None else 1):
+            self.wait()
+            self._refresh()
+
+    def _gradients_complete(self) -> None:
+        """The engine added the last overlapped gradients into ``.grad``: the held step's hooks and
+        clipping run now, then its update goes to the thread."""
+        if self._held is not None:
+            step, self._held = self._held, None
+            self._complete(step)
+
+    def _complete(self, step: "_HeldStep") -> None:
+        for hook in step.hooks:  # `on_before_optimizer_step` hooks and clipping, on the complete gradient
+            hook()
+        if self._snapshot_lag > 0 or not step.updates:  # the next pipeline's weights: all but this update
+            self.wait()
+            self._refresh()
+        for kwargs in step.updates:  # none when the plugin skipped the step (e.g. inf gradients)
+            self.steps_submitted += 1
+            self.stepper.submit(functools.partial(step.step, **kwargs), f"optimizer step {self.steps_submitted}")
+        if step.updates:
+            self._snapshot_lag += 1
+        queued, self._after_held = self._after_held, []
+        if self.stepper.pending:
+            self._after_wait.extend(queued)
+        else:
+            for call in queued:
+                call()
 
     def pop_metrics(self) -> dict[str, float]:
         """Since the last call: ``roundpipe/optimizer_thread(s)``, seconds the thread ran optimizer
@@ -232,6 +317,18 @@ class AsyncOptimizer:
                 return closure()
 
         functools.update_wrapper(deferred_step, original)  # keeps LR schedulers' `_wrapped_by_lr_sched` mark
+        hooks: list[Callable[[], Any]] = []
+        precision = self._precision if self.steady else None
+        if precision is not None:  # the hooks and clipping wait for the gradients when the pipeline still drains
+            original_after = precision._after_closure
+
+            def after_closure(model: Any, optimizer_: Any) -> None:
+                if self.engine.overlap.incomplete():
+                    hooks.append(functools.partial(original_after, model, optimizer_))
+                else:
+                    original_after(model, optimizer_)
+
+            precision.__dict__["_after_closure"] = after_closure
         had = "step" in optimizer.__dict__
         previous = optimizer.__dict__.get("step")
         optimizer.__dict__["step"] = deferred_step
@@ -242,12 +339,25 @@ class AsyncOptimizer:
                 optimizer.__dict__["step"] = previous
             else:
                 optimizer.__dict__.pop("step", None)
-        # the gradients are final and the update before them applied: snapshot, then update
-        self.synchronize()
-        for kwargs in recorded:  # none when the plugin skipped the step (e.g. inf gradients)
-            self.steps_submitted += 1
-            self.stepper.submit(functools.partial(original, **kwargs), f"optimizer step {self.steps_submitted}")
+            if precision is not None:
+                precision.__dict__.pop("_after_closure", None)
+        step = _HeldStep(original, recorded, hooks)
+        if self.steady and self.engine.overlap.incomplete():
+            self._held = step  # completed when its gradients are (the next step's forward, or a drain)
+        else:
+            self._complete(step)
         return result
+
+
+@dataclass
+class _HeldStep:
+    """An optimizer step recorded by :meth:`AsyncOptimizer.optimizer_step`: the optimizer's own
+    ``step``, the keyword arguments of each call, and the hooks deferred until its gradients are
+    complete."""
+
+    step: Callable[..., Any]
+    updates: list[dict]
+    hooks: list[Callable[[], Any]]
 
 
 def _check_supported(lightning_module: Any, optimizers: list, engine: Any) -> None:

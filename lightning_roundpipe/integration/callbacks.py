@@ -16,7 +16,7 @@ from lightning_roundpipe.integration.trace import (
     throughput_metrics,
 )
 from lightning_roundpipe.metrics.step import step_metrics
-from lightning_roundpipe.runtime.tuning.optimizer_mode import record_optimizer_step, step_with_optimizer_s
+from lightning_roundpipe.runtime.tuning.optimizer_mode import predicted_run_step_s, record_optimizer_step
 
 #: The keys a progress bar of ours shows (the main job's ``recipes.callbacks``), when present.
 PROGRESS_BAR_KEYS = ("roundpipe/tokens_per_s", "roundpipe/samples_per_s", "roundpipe/bubble(%)")
@@ -129,7 +129,7 @@ class RoundPipeMetricsCallback(Callback):
         mode = getattr(trainer.strategy, "optimizer_mode", "sync")
         record_optimizer_step(engine, trainer.optimizers, _optimizer_seconds(trainer, optimizer_s, mode), mode)
         engine.end_step()
-        predicted = step_with_optimizer_s(engine, engine.predict_s(programs), optimizer_s)
+        predicted = predicted_run_step_s(engine, programs, optimizer_s)
         memory = engine.host_memory(trainer.optimizers)
         timelines = engine.pop_timelines()
         metrics = step_metrics(timelines, step_s=step_s, optimizer_s=optimizer_s, predicted_step_s=predicted,

@@ -13,17 +13,20 @@ nodes the host gradients are averaged before the optimizer step
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Sequence
 
 import torch
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import nn
 from typing_extensions import override
 
-from lightning_roundpipe.adapters import FAMILIES, is_supported, make_layer_sequence
+from lightning_roundpipe.adapters import make_layer_sequence
+from lightning_roundpipe.adapters.find import find_pipelined_module
 from lightning_roundpipe.adapters.base import check_not_compiled
 from lightning_roundpipe.config import DEFAULT_TRACE_EVERY_N_STEPS, DataParallel, RoundPipeConfig
 from lightning_roundpipe.integration import data_parallel as dp
@@ -105,7 +108,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         num_microbatches, module, partition, profile_steps, fused_loss, forward_stages,
             backward_stages, chunk_bytes, microbatches_per_round, balance_microbatches, cpu_link_bytes_per_s,
             debug_copy_delay_s, check_streams, device_memory_bytes, cpu_device_speeds, dispatch, optimizer,
-            trace_every_n_steps, peak_flops, frozen_weights, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
+            overlap_batches, trace_every_n_steps, peak_flops, frozen_weights, data_parallel: the fields of :class:`~lightning_roundpipe.RoundPipeConfig`
             (type, unit, default and meaning are documented there), gathered into :attr:`config`. In
             short: ``num_microbatches`` (default devices + 1), ``module`` (the attribute to pipeline),
             ``partition`` (``"auto"``: re-cut from ``profile_steps`` profiled steps), ``fused_loss``
@@ -117,7 +120,9 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             one per device; enforced on CPU virtual devices), ``cpu_device_speeds`` (CPU virtual devices'
             relative speeds, e.g. ``[1.0, 0.5]``), ``dispatch`` (``"auto"``, ``"round_robin"`` or
             ``"weighted"``: devices of unequal speed or memory, DESIGN.md section 12), ``optimizer``
-            (``"sync"`` or ``"async"``, see *Asynchronous optimizer* below), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
+            (``"sync"`` or ``"async"``, see *Asynchronous optimizer* below), ``overlap_batches`` (the next batch's
+            pipeline is issued while this one drains: accumulated batches in ``"sync"``, every step in
+            ``"async"``), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
             timeline PNG every N batches into ``<trainer.log_dir>/roundpipe/`` and W&B, with a logger; 0: off),
             ``peak_flops`` (device peak FLOP/s for ``roundpipe/mfu(%)``; looked up by GPU name),
             ``frozen_weights`` (``"fp8"``: the frozen matmul weights, a LoRA base, held and uploaded in fp8;
@@ -145,7 +150,10 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
       (``16-mixed``, inf gradients) hands nothing to the thread, so the step after it computes on
       the current weights. When fit ends, all updates are applied.
     - ``on_before_optimizer_step``, gradient clipping and ``on_after_backward`` run in the main
-      thread on the step's gradient, before its update is handed to the thread. ``zero_grad`` and
+      thread on the step's gradient, before its update is handed to the thread. In the steady state
+      (``overlap_batches=True``: step ``j + 1``'s pipeline is issued while step ``j``'s drains; the
+      staleness above is unchanged) step ``j``'s ``on_before_optimizer_step`` and clipping run when
+      its gradient is complete, during step ``j + 1``'s ``training_step`` (docs/usage.md). ``zero_grad`` and
       LR scheduler steps called while an update is in flight run in the main thread at the next
       wait, right after that update (the update of step ``j`` uses the same learning rate as in
       ``"sync"``); a callback reading ``param_groups``' ``lr`` in ``on_train_batch_start``/``end``
@@ -199,6 +207,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         cpu_device_speeds: Sequence[float] | None = None,
         dispatch: str = "auto",
         optimizer: str = "sync",
+        overlap_batches: bool = True,
         trace_every_n_steps: int | None = DEFAULT_TRACE_EVERY_N_STEPS,
         peak_flops: float | None = None,
         frozen_weights: str | None = None,
@@ -217,7 +226,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
                  "cpu_link_bytes_per_s": cpu_link_bytes_per_s,
                  "debug_copy_delay_s": debug_copy_delay_s, "check_streams": check_streams,
                  "device_memory_bytes": device_memory_bytes, "cpu_device_speeds": cpu_device_speeds,
-                 "dispatch": dispatch, "optimizer": optimizer,
+                 "dispatch": dispatch, "optimizer": optimizer, "overlap_batches": overlap_batches,
                  "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops, "frozen_weights": frozen_weights,
                  "data_parallel": DataParallel() if data_parallel is None else data_parallel}
         self.config = _make_config(config, given)
@@ -300,7 +309,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     def setup(self, trainer: Any) -> None:
         dp.warn_devices_auto(trainer)
         super().setup(trainer)
-        target = self._find_module()
+        target = find_pipelined_module(self.lightning_module, self.module_name)
         check_not_compiled(self.lightning_module, target)
         seq = make_layer_sequence(target)
         if self.partition is not None:
@@ -328,9 +337,14 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             self._warned_rounding = True
             rank_zero_warn(rounding)
         if fitting and self.optimizer_mode == "async":
-            self._async = AsyncOptimizer()
+            # the steady state (DESIGN.md section 11) needs the gradients only at the optimizer step: not with a
+            # GradScaler (it unscales and checks them inside the plugin's step), accumulation or several nodes
+            steady = (self.config.overlap_batches and getattr(precision, "scaler", None) is None
+                      and self.num_nodes == 1 and trainer.accumulate_grad_batches == 1)
+            self._async = AsyncOptimizer(steady=steady)
             try:
-                self._async.install(trainer, self.lightning_module, self.optimizers, self.engine)
+                self._async.install(trainer, self.lightning_module, self.optimizers, self.engine,
+                                    precision=getattr(precision, "plugin", precision))
             except BaseException:
                 self._async.uninstall()
                 self._async = None
@@ -414,42 +428,34 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         self._train_batches_started += 1
         if self.engine is not None:
             follow_profiles(self.engine)  # the weighted dispatch balances the measured stage costs once known
+            self.engine.overlap_next = self._may_overlap()
         # after the first training step: warn early, not only at teardown (with "async" the step's backward
         # stages may still run now, so only teardown, after the drain, reads the replicas)
         if self._train_batches_started == 2 and self._async is None:
             self._warn_diverged_attributes()
 
-    def _find_module(self) -> nn.Module:
-        lm = self.lightning_module
-        if self.module_name is not None:
-            try:
-                mod = lm.get_submodule(self.module_name)
-            except AttributeError:
-                children = [n for n, _ in lm.named_children()]
-                raise ValueError(
-                    f"`RoundPipeStrategy(module={self.module_name!r})`: the LightningModule has no submodule of that name."
-                    f" Its children are {children}."
-                ) from None
-            return mod
-        found = [(n, m) for n, m in lm.named_children() if is_supported(m)]
-        if not found:  # look deeper, outermost first
-            found = [(n, m) for n, m in lm.named_modules() if n and is_supported(m)]
-            found = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]
-        if len(found) == 1:
-            return found[0][1]
-        if not found:
-            children = {n: type(m).__name__ for n, m in lm.named_children()}
-            raise ValueError(
-                f"RoundPipe found no module to pipeline in `{type(lm).__name__}`: none of its submodules ({children}) is a"
-                f" supported Hugging Face causal LM ({', '.join(k for k in sorted(FAMILIES) if k != 'generic')}, or another"
-                " with the standard decoder-only layout; also under PEFT) or an `nn.Sequential`."
-                " HINT: express the model as an `nn.Sequential` whose inputs and outputs carry the batch on dim 0 and"
-                " point `RoundPipeStrategy(module='<attribute>')` at it, or use a supported model family."
-            )
-        raise ValueError(
-            f"RoundPipe found several modules it could pipeline in `{type(lm).__name__}`: {[n for n, _ in found]}."
-            " HINT: choose one with `RoundPipeStrategy(module='<attribute>')`."
-        )
+    def _may_overlap(self) -> bool:
+        """Whether this batch's pipeline may still drain when its backward returns (DESIGN.md section 11):
+        ``overlap_batches``, and in ``"sync"`` mode a batch that does not step the optimizer, in ``"async"``
+        mode every batch of the steady state (:attr:`AsyncOptimizer.steady`); and neither the
+        LightningModule nor a callback overrides ``on_after_backward`` (which would read its gradients)."""
+        trainer = self.lightning_module.trainer
+        if not self.config.overlap_batches:
+            return False
+        if self._async is not None:
+            if not self._async.steady:
+                return False
+        elif not trainer.fit_loop._should_accumulate():
+            return False
+        if is_overridden("on_after_backward", self.lightning_module, LightningModule):
+            return False
+        return not any(is_overridden("on_after_backward", callback, Callback) for callback in trainer.callbacks)
+
+    def drain(self) -> None:
+        """Finish the overlapped batches still in flight (``accumulate_grad_batches > 1``): their
+        gradients land in ``.grad``, their buffers in the masters (:meth:`RoundPipeEngine.drain`)."""
+        if self.engine is not None:
+            self.engine.drain()
 
     # ------------------------------------------------------------------ asynchronous optimizer
     @property
@@ -491,6 +497,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Also leaves out the fp8 frozen weights (``frozen_weights="fp8"``: the base comes from its files)."""
+        self.drain()
         self.wait_for_optimizer()
         return self._fp8.checkpoint_state(super().lightning_module_state_dict)
 
@@ -502,6 +509,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, torch.Tensor]:
+        self.drain()
         self.wait_for_optimizer()
         return super().optimizer_state(optimizer)
 
@@ -510,6 +518,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         """Also keeps the engine's profiling progress and automatic choice (plain values) under
         ``"roundpipe_plan"``, so a resumed fit goes on with the plan of the straight run. The file gets
         the key, the ``checkpoint`` dict the ``on_save_checkpoint`` hooks saw is left as it was."""
+        self.drain()
         self.wait_for_optimizer()
         state = self._finished_plan if self.engine is None else plan_state(self.engine)
         if state is not None:
@@ -530,12 +539,16 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
+        self.drain()
         if self._async is not None:
             self._async.synchronize()
         super().on_train_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self.engine is not None:  # the batches before the failing one keep their gradients
+            with contextlib.suppress(BaseException):
+                self.engine.drain()
         if self._async is not None:
             self._async.wait(raise_errors=False)
         super().on_exception(exception)  # several nodes: leave the process group, so every rank stops

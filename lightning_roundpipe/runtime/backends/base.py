@@ -44,6 +44,20 @@ def tree_nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
+class PoolBank:
+    """A second set of a device's pools (stage weights, transfers, fp32 accumulators) for a program
+    issued while the previous one drains.
+
+    Args:
+        allocate: the device's ``(nbytes, what) -> uint8 tensor``.
+    """
+
+    def __init__(self, allocate: Callable[..., torch.Tensor]) -> None:
+        self.pool = StagePool(allocate)
+        self.transfer_pool = SlotPool(lambda n: allocate(n, "the activation transfer pool (bank 1)"))
+        self.accumulator_pool = SlotPool(lambda n: allocate(n, "the fp32 gradient accumulator pool (bank 1)"))
+
+
 class Backend(abc.ABC):
     """One device's streams and data movement.
 
@@ -58,6 +72,9 @@ class Backend(abc.ABC):
         transfer_pool: the device's :class:`~lightning_roundpipe.runtime.backends.pool.SlotPool` of
             upload destinations (activations, boundary inputs, incoming gradients).
         accumulator_pool: the device's fp32 gradient accumulators, one slot per stage weight slot.
+        banks: the pool sets by bank index (:meth:`bank`): bank 0 is the three pools above; bank 1,
+            made on first use, serves a program issued while the previous one still drains
+            (:mod:`~lightning_roundpipe.runtime.execution.overlap`), so two programs in flight never share a slot.
         checker: the checking mode's shared checker (``None``: off; CPU virtual devices only).
     """
 
@@ -72,11 +89,24 @@ class Backend(abc.ABC):
         self.pool = StagePool(self.allocate_bytes)
         self.transfer_pool = SlotPool(lambda n: self.allocate_bytes(n, "the activation transfer pool"))
         self.accumulator_pool = SlotPool(lambda n: self.allocate_bytes(n, "the fp32 gradient accumulator pool"))
+        self.banks: list[Any] = [self]
+
+    def bank(self, index: int) -> Any:
+        """The pool set of bank ``index`` (0 or 1): an object with ``pool``, ``transfer_pool`` and
+        ``accumulator_pool`` (bank 0: this backend's own)."""
+        while len(self.banks) <= index:
+            self.banks.append(PoolBank(self.allocate_bytes))
+        return self.banks[index]
 
     @property
     def pools(self) -> dict[str, Any]:
-        """The device's pools by name (``stage weights``, ``transfers``, ``accumulators``)."""
-        return {"stage weights": self.pool, "transfers": self.transfer_pool, "accumulators": self.accumulator_pool}
+        """The device's pools by name (``stage weights``, ``transfers``, ``accumulators``; a second
+        bank's as ``... (bank 1)``)."""
+        out = {"stage weights": self.pool, "transfers": self.transfer_pool, "accumulators": self.accumulator_pool}
+        for index, bank in enumerate(self.banks[1:], start=1):
+            out.update({f"stage weights (bank {index})": bank.pool, f"transfers (bank {index})": bank.transfer_pool,
+                        f"accumulators (bank {index})": bank.accumulator_pool})
+        return out
 
     @property
     def pool_bytes(self) -> int:

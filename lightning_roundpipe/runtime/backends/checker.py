@@ -121,6 +121,17 @@ class StreamChecker:
             self._clocks.clear()
             self.program = program
 
+    def forget(self, bank: int) -> None:
+        """Forget the accesses of the buffers of pool bank ``bank`` (the program that used them has
+        completed) and keep the rest (a program of the other bank is still in flight): the keys of
+        bank ``b > 0`` start with ``"bank{b}"`` (:func:`~lightning_roundpipe.runtime.execution.access.in_bank`)."""
+        prefix = f"bank{bank}"
+        with self._lock:
+            for key in list(self._buffers):
+                banked = isinstance(key, tuple) and bool(key) and isinstance(key[0], str) and key[0].startswith("bank")
+                if (banked and key[0] == prefix) or (bank == 0 and not banked):
+                    del self._buffers[key]
+
     # ------------------------------------------------------------------ events
     def record(self, stream: StreamId) -> dict[StreamId, int]:
         """The clock an event recorded now on ``stream`` carries."""

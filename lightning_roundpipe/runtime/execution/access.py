@@ -25,6 +25,8 @@ never from the program's edges (so a missing edge shows):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lightning_roundpipe.runtime.backends.checker import Access
 from lightning_roundpipe.runtime.backends.pool import pool_slots
 from lightning_roundpipe.schedule.buffers import device_slots, download_contents, host_slots
@@ -149,3 +151,18 @@ def op_access(program: StreamProgram, op: Op, device_index: int, num_layers: int
         readers = tuple(str(_first_op(program, action)) for action in computes)
         return Access(releases=((weights, readers),) + (((accum, (str(wd2h),)),) if has_grads else ()))
     return Access()
+
+
+def in_bank(access: Access, bank: int) -> Access:
+    """``access`` with every buffer key of pool bank ``bank > 0`` prefixed ``"bank{bank}"``: a program
+    issued while the previous one drains uses the other bank's pools
+    (:mod:`~lightning_roundpipe.runtime.execution.overlap`), and its per-program keys (``("out", stage,
+    microbatch)``...) are its own. Bank 0 keeps the keys as they are."""
+    if bank == 0:
+        return access
+    prefix = f"bank{bank}"
+    return replace(access, reads=tuple(((prefix, k), t) for k, t in access.reads),
+                   writes=tuple(((prefix, k), t) for k, t in access.writes),
+                   fills=tuple(((prefix, k), t) for k, t in access.fills),
+                   releases=tuple(((prefix, k), r) for k, r in access.releases),
+                   refills=tuple(((prefix, k), t, p, r) for k, t, p, r in access.refills))

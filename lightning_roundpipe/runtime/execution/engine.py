@@ -27,6 +27,7 @@ from lightning_roundpipe.runtime.tuning.autopartition import (choose_partition, 
 from lightning_roundpipe.runtime.backends import make_backends, smallest_stage_budget, step_memory_peaks
 from lightning_roundpipe.runtime.execution.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.host.memory import HostMemory, host_memory
+from lightning_roundpipe.runtime.execution.overlap import StepOverlap
 from lightning_roundpipe.runtime.execution.microbatch import (BatchStatistics, check_batch_dim, merge_input_grads, merge_leaves,
                                                            split_grads, split_microbatches)
 from lightning_roundpipe.runtime.tuning.profiler import LayerProfiler
@@ -170,6 +171,19 @@ class RoundPipeEngine:
         self.info: Callable[[str], None] = log.info
         """Where the engine reports a new partition (the strategy passes Lightning's ``rank_zero_info``)."""
         self._host_calls = threading.local()  # depth of `generate` calls in this thread
+        self.overlap = StepOverlap(self)
+        self.overlap_next = False
+        """Set before a training call whose fused program may still drain when the call returns
+        (:mod:`~lightning_roundpipe.runtime.execution.overlap`: a batch that does not step the
+        optimizer, in ``"sync"`` mode, with no hook reading gradients at its backward); consumed by
+        that call."""
+        self.before_fused_start: Callable[[], None] | None = None
+        """Called before a fused program is issued (the asynchronous steady state prepares the weights
+        snapshot the program uploads: :mod:`lightning_roundpipe.integration.async_step`)."""
+        self.on_gradients_complete: Callable[[], None] | None = None
+        """Called when an overlapped call's gradients have been added into ``.grad`` (the asynchronous
+        steady state then runs that step's clipping and hands its update to the optimizer thread).
+        Overlapped calls with a :attr:`grad_barrier` are allowed only when this is set."""
         self._original_generate = None
 
     @classmethod
@@ -272,6 +286,7 @@ class RoundPipeEngine:
                 " HINT: call it under `torch.no_grad()` (as `generate()` does), or train with `input_ids`,"
                 " `attention_mask`, `position_ids` and `labels` only."
             )
+        self.drain()  # an overlapped call's gradients and buffers land (and may start an optimizer step)
         if self.host_barrier is not None:
             self.host_barrier()
         target = seq.target
@@ -286,13 +301,17 @@ class RoundPipeEngine:
         their original dtype back (values stay rounded to the compute dtype: see
         :meth:`~lightning_roundpipe.runtime.host.store.WeightStore.restore_frozen`)."""
         self.uninstall()
-        self.executor.close()
+        try:
+            self.drain()
+        finally:
+            self.executor.close()
         self.store.restore_frozen()
 
     def set_partition(self, partition: PartitionPlan, microbatches_per_round: int | None | str = "keep") -> None:
         """Use new stage boundaries (and, unless ``"keep"``, new microbatch rounds) from the next call
         on, e.g. what the automatic choice found fastest."""
         partition.validate(len(self.seq))
+        self.drain()
         self.partition = partition
         if microbatches_per_round != "keep":
             self.microbatches_per_round = microbatches_per_round
@@ -395,7 +414,7 @@ class RoundPipeEngine:
             state.acts[(0, i)] = mb
         if (training and self.fused_loss and seq.loss_key and seq.has_loss and seq.has_loss(carry)
                 and self._fused_allows_routing(carry, m)):
-            return self._fused_forward(state, m, flat, sizes, grad_inputs, carry)
+            return self.overlap.fused_forward(state, m, flat, sizes, grad_inputs, carry)
         cursor = self._advance(n_fwd)
         if training:
             self._last_call, self._last_sizes = (m, False), list(sizes)
@@ -473,66 +492,16 @@ class RoundPipeEngine:
             return False
         return True
 
-    def _fused_forward(self, state: PipelineState, m: int, batch_leaves: list, sizes: list[int],
-                       grad_inputs: list, batch_carry: dict | None = None) -> Any:
-        """The fused path: the whole step runs now; the returned loss's backward scales the buffers.
-
-        Gradients land in CPU buffers (``state.grad_sink``), computed with the backward seeded by
-        ``loss_seed``; the node's backward adds ``buffer * (grad_output / loss_seed)`` into each
-        parameter's ``.grad`` (gradients are linear in the seed, so this is exact whatever the user
-        does with the scalar loss, e.g. Lightning's loss scaling under fp16).
-
-        Raises:
-            ValueError: when ``loss_seed()`` is not a finite number > 0.
-        """
-        seed = 1.0 if self.loss_seed is None else float(self.loss_seed())
-        if not (math.isfinite(seed) and seed > 0):
-            raise ValueError(f"The fused path's `loss_seed()` must be a finite number > 0, got {seed!r}.")
-        if self.on_fused_call is not None:
-            self.on_fused_call()
-        state.loss_seed = seed
-        state.grad_sink = {}
-        self._last_call, self._last_sizes = (m, True), list(sizes)
-        self._run(self.program(m, self._advance(len(self.fused_stages)), fused=True), state)
-        key = self.seq.loss_key
-        loss = merge_leaves([[state.final.pop(i)[key]] for i in range(m)])[0]
-        extra = self._routing_outputs(state, batch_carry) if batch_carry is not None else {}
-        if key in extra:
-            loss = loss + extra.pop(key)
-        sink = state.grad_sink
-        input_grads = self._input_grads(state, batch_leaves, sizes)
-
-        def scaled(buf: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-            factor = g if seed == 1.0 else g / seed  # the incoming gradient in units of the seed
-            return buf if bool(factor == 1) else buf * factor.to(buf.dtype)
-
-        def run_backward(grads: list) -> list:
-            state.start_backward()
-            g = grads[0]
-            if g is None:
-                return [None] * len(input_grads)
-            if self.grad_barrier is not None:
-                self.grad_barrier()
-            if self.sink_barrier is not None:
-                self.sink_barrier(sink)
-            for master, buf in sink.values():
-                contrib = scaled(buf, g)
-                if master.grad is None:
-                    master.grad = contrib
-                else:
-                    master.grad.add_(contrib)
-            sink.clear()
-            return [None if x is None else scaled(x, g) for x in input_grads]
-
-        (loss,) = attach([loss], run_backward, grad_inputs)
-        return self.seq.finalize({**extra, key: loss})
-
     def _run(self, program: StreamProgram, state: PipelineState, record: bool = True) -> None:
         """Execute ``program``; keep its timeline and the program for the step's metrics when ``record``
-        (training calls only: evaluation calls have no step that would collect them)."""
+        (training calls only: evaluation calls have no step that would collect them). Overlapped fused
+        calls still in flight are finished first (:meth:`drain`)."""
+        self.overlap.drain()
         timeline = self.executor.run(program, state)
-        if not record:
-            return
+        if record:
+            self._keep(timeline, program)
+
+    def _keep(self, timeline: Timeline, program: StreamProgram) -> None:
         with self._lock:
             self._timelines.append(timeline)
             self._step_programs.append(program)
@@ -581,6 +550,15 @@ class RoundPipeEngine:
     def predict_s(self, programs: Sequence[StreamProgram]) -> float | None:
         """The simulator's time for one step's ``programs``, s (:func:`.autopartition.predict_step_s`)."""
         return predict_step_s(self, programs)
+
+    def drain(self) -> None:
+        """Finish the overlapped fused calls still in flight and add their gradients
+        (:meth:`.overlap.StepOverlap.drain`); a no-op when none is.
+
+        Raises:
+            The first error of such a call (the older calls' gradients kept).
+        """
+        self.overlap.drain()
 
     def pop_step_programs(self) -> list[StreamProgram]:
         """The programs run since the last call (one step's: the fused program, or the forward and

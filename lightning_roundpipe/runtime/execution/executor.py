@@ -31,7 +31,6 @@ thread with the original exception object (its type, attributes and traceback ke
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import weakref
 from typing import Any, Callable
@@ -42,7 +41,7 @@ from torch.utils import _pytree as pytree
 from lightning_roundpipe.adapters.base import LayerSequence
 from lightning_roundpipe.adapters.chunked_loss import loss_only
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
-from lightning_roundpipe.runtime.execution.access import op_access, round_of
+from lightning_roundpipe.runtime.execution.access import in_bank, op_access, round_of
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
 from lightning_roundpipe.runtime.backends.pool import HostStagingPool, pool_slots
 from lightning_roundpipe.runtime.backends.threads import limit_this_thread
@@ -84,6 +83,13 @@ class Executor(TransferOps):
         self.error_notes = ErrorNotes(seq)
         self.host_pool = HostStagingPool(backends[0].allocate_host_bytes if backends else
                                          (lambda n: torch.empty(n, dtype=torch.uint8)))
+        self._host_pools = [self.host_pool]
+        self.in_flight: list[ProgramRun] = []
+        """Runs started (:meth:`start`) and not yet finished (:meth:`finish`), oldest first: at most
+        two, on different pool banks."""
+        self.one_bank: str | None = None
+        """Why programs no longer overlap (the second pool bank did not fit in a device's memory: the
+        error), else ``None``."""
         self.peak_grad_bytes = 0  # most bytes of gradients (.grad and host buffers) at once since the last pop
         self.grads_final_hook: Callable[[range, dict | None], None] | None = None
         """Host thread, after a backward stage's last dispatch of the program added its gradients
@@ -116,51 +122,142 @@ class Executor(TransferOps):
         self.refresher.close()
         for backend in self.backends:
             backend.close()
-        self.host_pool.clear()
+        for pool in self._host_pools:
+            pool.clear()
 
     # ------------------------------------------------------------------ driver
     def run(self, program: StreamProgram, state: PipelineState) -> Timeline:
-        """Execute ``program`` and return its measured timeline.
+        """Execute ``program`` and return its measured timeline (:meth:`start`, then :meth:`finish`).
 
         Raises:
             The first exception of any stream: the original object (type, attributes, traceback),
             with a note naming the device, op, stream, stage, microbatch and layer.
             ``NotImplementedError`` for op kinds the runtime does not execute (``W``).
         """
+        return self.finish(self.start(program, state))
+
+    def start(self, program: StreamProgram, state: PipelineState) -> ProgramRun:
+        """Issue ``program``'s stream jobs and return at once: its ops run behind those of a run still
+        in flight on each (device, stream) (the stream threads take jobs in order), from the other
+        pool bank, so the two never share a buffer. At most two runs are in flight: an older one is
+        finished first; so is every run in flight when the weights' shadows are stale (the refresh
+        must not overwrite what an earlier run uploads).
+
+        Raises:
+            ``NotImplementedError`` for op kinds the runtime does not execute (``W``); the error of an
+            older run finished here.
+        """
         for _, _, _, op in program.ops():
             if op.kind not in self._dispatch:
                 raise NotImplementedError(f"The runtime cannot execute `{op}` ({op.kind.value} ops are simulator-only).")
+        while len(self.in_flight) >= 2:
+            self.finish(self.in_flight[0])
         stale = self.store.stale_entries()  # raises here, in the main thread, for a parameter unfrozen too late
-        self._reserve_pools(program, state.keep)
+        if stale:
+            while self.in_flight:
+                self.finish(self.in_flight[0])
+        if self.in_flight and self.one_bank is not None:
+            while self.in_flight:
+                self.finish(self.in_flight[0])
+        bank = 1 - self.in_flight[-1].bank if self.in_flight else 0
+        try:
+            self._reserve_pools(program, state.keep, bank)
+        except torch.OutOfMemoryError as error:
+            if not self.in_flight:
+                raise
+            self.one_bank = f"{type(error).__name__}: {error}"
+        if self.one_bank is not None and bank == 1:
+            # the second bank does not fit: free it (outside the handler: its traceback holds the new
+            # buffers), finish the run in flight, and from now on run one program at a time (the overlap
+            # costs a second set of pools; DESIGN.md section 4)
+            for backend in self.backends:
+                del backend.banks[1:]
+            while self.in_flight:
+                self.finish(self.in_flight[0])
+            bank = 0
+            self._reserve_pools(program, state.keep, bank)
         checker = self.backends[0].checker if self.backends else None
         if checker is not None:
-            checker.reset(program)
-        run = ProgramRun(program, state, len(self.backends))
+            if self.in_flight:
+                checker.forget(bank)  # that bank's last program has completed; the other one runs on
+                checker.program = program
+            else:
+                checker.reset(program)
+        run = ProgramRun(program, state, len(self.backends), bank)
+        run.master_grad_bytes = self.store.grad_bytes()  # main thread (see TransferOps._master_grad_bytes)
+        run.shadow_bank = self.store.read_bank  # its uploads read this snapshot bank to the end
         self._current = weakref.ref(run)
         for backend in self.backends:
             backend.begin()
         refresh = self._start_refresh(program, stale, run) if stale else None  # before any LOAD is issued
-        jobs = [backend.threads[stream].submit(lambda b=backend, s=stream: self._stream_job(b, s, run))
-                for backend in self.backends for stream in STREAMS if program.streams[backend.device_index][stream]]
-        jobs.append(self.host.submit(lambda: self._commit_grads(run)))
+        run.jobs = [backend.threads[stream].submit(lambda b=backend, s=stream: self._stream_job(b, s, run))
+                    for backend in self.backends for stream in STREAMS if program.streams[backend.device_index][stream]]
+        run.jobs.append(self.host.submit(lambda: self._commit_grads(run)))
         if refresh is not None:
-            jobs.append(refresh)
+            run.jobs.append(refresh)
+        self.in_flight.append(run)
+        return run
+
+    def wait_ops(self, run: ProgramRun, ops: list[Op]) -> None:
+        """Block until each of ``ops`` of ``run`` has completed on its device (its handler's host
+        results published), or the run failed (its error is raised by :meth:`finish`)."""
+        for op in ops:
+            device_index, _, _ = run.program.location(op)
+            while not run.issued[op].wait(_POLL_S):
+                if run.abort.is_set():
+                    return
+            self.backends[device_index].host_wait(run.events[op])
+
+    def finish(self, run: ProgramRun) -> Timeline:
+        """Wait for ``run`` (started by :meth:`start`; older runs in flight are finished first) and
+        return its measured timeline; the devices keep running a newer run in flight.
+
+        Raises:
+            As :meth:`run`. A failed run also stops the newer run in flight (its error, if any, is
+            dropped: the older one is raised).
+        """
+        if run.done:  # finished already (by `start`, making room): its timeline, None if it failed
+            return run.timeline
+        while self.in_flight and self.in_flight[0] is not run:
+            self.finish(self.in_flight[0])
+        later = [other for other in self.in_flight if other is not run]
+        checker = self.backends[0].checker if self.backends else None
+        jobs = run.jobs
         try:
             self._wait_jobs(jobs, run)
-            for backend in self.backends:  # the devices finish what the host issued (failed ops are skipped)
-                backend.synchronize()
+            self._synchronize(run, later)  # the devices finish what the host issued (failed ops are skipped)
         except BaseException:  # KeyboardInterrupt in the main thread: stop the threads, then re-raise
-            run.abort.set()
-            for job in jobs:
-                job.wait(30)
+            for other in [run] + later:
+                other.abort.set()
+            for other in [run] + later:
+                for job in other.jobs:
+                    job.wait(30)
             for backend in self.backends:
                 backend.synchronize()
-            self._settle_pools(run, ok=False)
+            for other in [run] + later:
+                self._settle_pools(other, ok=False)
+                other.done = True
+            self.in_flight.clear()
             raise
+        finally:
+            run.done = True
+            if run in self.in_flight:
+                self.in_flight.remove(run)
         for backend in self.backends:
             for error in backend.stream_errors():
                 run.fail(error, f"RoundPipe: device {backend.device_index} stream worker")
-        if checker is not None:
+        if run.error is not None and later:
+            for other in later:  # the replicas are unbound below: the newer run cannot go on
+                other.abort.set()
+            for other in later:
+                self._wait_jobs(other.jobs, other)
+                self._settle_pools(other, ok=False)
+                other.done = True
+                self.in_flight.remove(other)
+            for backend in self.backends:
+                backend.synchronize()
+            later = []
+        if checker is not None and not later:
             checker.reset()  # everything issued has completed
         self._settle_pools(run, ok=run.error is None)
         if run.error is None:
@@ -191,45 +288,28 @@ class Executor(TransferOps):
             kind = op.kind.value if op.kind.is_compute else ("H2D" if op.stream in ("weights", "h2d") else "D2H")
             intervals.append(Interval(device_index, kind, op.stage_index, op.microbatch_index, start - run.t0,
                                       end - run.t0, nbytes, stream=op.stream, label=str(op)))
-        return Timeline(len(self.backends), intervals, wall_s=wall, peak_resident_bytes=run.peak_resident_bytes,
-                        origin_s=run.t0)
+        run.timeline = Timeline(len(self.backends), intervals, wall_s=wall,
+                                peak_resident_bytes=run.peak_resident_bytes, origin_s=run.t0)
+        return run.timeline
+
+    def _synchronize(self, run: ProgramRun, later: list[ProgramRun]) -> None:
+        """Wait until the devices completed ``run``'s issued ops: every device, when no newer run is in
+        flight; else the last issued op of each of ``run``'s (device, stream) lists (streams run in order)."""
+        if not later:
+            for backend in self.backends:
+                backend.synchronize()
+            return
+        for backend in self.backends:
+            for stream in STREAMS:
+                issued = [op for op in run.program.streams[backend.device_index][stream] if op in run.events]
+                if issued:
+                    backend.host_wait(run.events[issued[-1]])
 
     def _wait_jobs(self, jobs: list, run: ProgramRun) -> None:
         for job in jobs:
             while not job.wait(_POLL_S):
                 if not all(b.alive for b in self.backends) or not self.host.alive or not self.refresher.alive:
                     run.fail(RuntimeError("a RoundPipe stream thread died"), "RoundPipe: runtime")
-
-    def _start_refresh(self, program: StreamProgram, stale: list[int], run: ProgramRun) -> threading.Event:
-        """Copy the stale shadows from their masters on the refresh thread, tensor by tensor in the
-        order the program first uploads them (the rest last), each with an event the uploads of its
-        stages wait for (DESIGN.md section 4: the refresh after an optimizer step runs off the main
-        thread). Returns the job's done event."""
-        order: list[int] = []
-        wanted, seen = set(stale), set()
-        for op in program.topological_order():
-            if op.kind is OpKind.LOAD and op.chunk_index == 0:
-                for key in self.store.layout(program.plan.stages[op.stage_index].layers).tensors:
-                    if key in wanted and key not in seen:
-                        seen.add(key)
-                        order.append(key)
-        order += [key for key in stale if key not in seen]
-        run.refreshed = {key: threading.Event() for key in order}
-
-        def refresh() -> None:
-            try:
-                for key in order:
-                    if run.abort.is_set():
-                        return
-                    self.store.refresh_entry(key)
-                    run.refreshed[key].set()
-            except BaseException as error:
-                run.fail(error, "RoundPipe: host weight refresh (master -> upload copy)")
-            finally:
-                for event in run.refreshed.values():
-                    event.set()
-
-        return self.refresher.submit(refresh)
 
     def _stream_job(self, backend: Backend, stream: str, run: ProgramRun) -> None:
         """The issuing thread of one (device, stream): for each op, wait until its producers are
@@ -254,7 +334,7 @@ class Executor(TransferOps):
                         for key in self.store.layout(run.plan.stages[op.stage_index].layers).tensors:
                             if key in run.refreshed:
                                 run.wait(run.refreshed[key])
-                    access = op_access(run.program, op, backend.device_index, num_layers, keep) \
+                    access = in_bank(op_access(run.program, op, backend.device_index, num_layers, keep), run.bank) \
                         if backend.checker is not None else None
                     start = backend.timer_start(stream)
                     backend.launch(stream, lambda op=op: self._execute(backend, stream, op, run), access,
@@ -303,7 +383,7 @@ class Executor(TransferOps):
                 pairs = run.host_grads.pop((dispatch.stage_index, dispatch.round_index), [])
                 retained = self.store.add_grads(pairs, run.state.grad_sink)
                 run.add_grad_buffer_bytes(retained - sum(g.numel() * g.element_size() for _, g in pairs),
-                                          self.store.grad_bytes())
+                                          self._master_grad_bytes(run))
                 if hook is not None and dispatch.round_index == last_round[dispatch.stage_index]:
                     hook(run.plan.stages[dispatch.stage_index].layers, run.state.grad_sink)
         except _Aborted:
@@ -365,18 +445,20 @@ class Executor(TransferOps):
         key = (op.stage_index, op.round_index)
         if op.chunk_index == 0:  # the pool slot the program gives this dispatch (its release was waited for)
             slot = pool_slots(run.plan)[(backend.device_index, *key)]
-            buffer = backend.pool.buffer(slot)[:layout.total_bytes]
+            pools = backend.bank(run.bank)
+            buffer = pools.pool.buffer(slot)[:layout.total_bytes]
             backend.poison(buffer)
             accumulate = self.store.accumulator_numel(spec.layers) * 4 if spec.kind == "backward" else 0
             run.resident[key] = self.store.resident(  # the fp32 accumulator of the same slot (reserved)
                 layout, buffer, with_grad=spec.kind == "backward",
-                accumulator_buffer=backend.accumulator_pool.take(slot, accumulate) if accumulate else None)
+                accumulator_buffer=pools.accumulator_pool.take(slot, accumulate) if accumulate else None)
             run.add_resident(backend.device_index, layout.total_bytes)
         resident = run.resident[key]
         start = op.chunk_index * run.program.chunk_bytes
         stop = min(start + run.program.chunk_bytes, layout.total_bytes)
         if stop > start:
-            backend.copy_chunk(self.store.chunk_pieces(layout, resident.buffer, start, stop), stop - start)
+            backend.copy_chunk(self.store.chunk_pieces(layout, resident.buffer, start, stop, run.shadow_bank),
+                               stop - start)
         if stop >= layout.total_bytes:
             self.store.own_buffers(resident)  # made here, read by compute: released after the DROP (below)
         return max(0, stop - start)

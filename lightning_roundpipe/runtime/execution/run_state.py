@@ -76,10 +76,19 @@ class PipelineState:
 
 
 class ProgramRun:
-    """One execution of a program: issue flags, device events, device-local slots, the first error."""
+    """One execution of a program: issue flags, device events, device-local slots, the first error.
 
-    def __init__(self, program: StreamProgram, state: PipelineState, num_devices: int) -> None:
+    ``bank``: the pool bank (0 or 1) its device and host staging buffers come from; a program issued
+    while the previous one still drains uses the other bank."""
+
+    def __init__(self, program: StreamProgram, state: PipelineState, num_devices: int, bank: int = 0) -> None:
         self.program = program
+        self.bank = bank
+        self.jobs: list = []  # the done events of its stream, host-gradient and refresh jobs (Executor.start)
+        self.master_grad_bytes = 0  # bytes of the masters' .grad when the run started (main thread)
+        self.shadow_bank = 0  # the weight store's snapshot bank its uploads read (WeightStore.read_bank)
+        self.done = False  # Executor.finish ran (timeline: its measured timeline; None when it failed)
+        self.timeline: Any = None
         self.plan = program.plan
         self.state = state
         self.issued = {op: threading.Event() for _, _, _, op in program.ops()}

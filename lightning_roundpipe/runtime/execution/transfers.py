@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -26,7 +27,7 @@ from lightning_roundpipe.runtime.backends.base import Backend
 from lightning_roundpipe.runtime.backends.pool import HostStagingPool, pack, packed_nbytes, pool_slots
 from lightning_roundpipe.schedule.buffers import device_slots, host_slots, slot_sizes
 from lightning_roundpipe.runtime.execution.run_state import ProgramRun
-from lightning_roundpipe.schedule.program import Op, StreamProgram
+from lightning_roundpipe.schedule.program import Op, OpKind, StreamProgram
 
 
 class TransferOps:
@@ -34,9 +35,27 @@ class TransferOps:
     uses ``self.seq``, ``self.store``, ``self.backends`` and ``self.host_pool``)."""
 
     host_pool: HostStagingPool
+    _host_pools: list[HostStagingPool]  # by pool bank: [host_pool, bank 1's]
 
     # ------------------------------------------------------------------ pools
-    def _reserve_pools(self, program: StreamProgram, keep: frozenset) -> None:
+    def host_pool_of(self, bank: int) -> HostStagingPool:
+        """The host staging pool of pool bank ``bank`` (bank 0: ``self.host_pool``; bank 1 made on first use)."""
+        pools = self._host_pools
+        while len(pools) <= bank:
+            pools.append(HostStagingPool(pools[0]._allocate))
+        return pools[bank]
+
+    def _master_grad_bytes(self, run: ProgramRun) -> int:
+        """Bytes of the masters' ``.grad`` for the peak accounting, read on a stream or host thread. A
+        fused run (gradients into ``state.grad_sink``) never writes ``.grad``, and the main thread may
+        set it meanwhile (an overlapped run: ``zero_grad``, the previous batch's gradients): reading
+        ``.grad`` from another thread while the main thread replaces it is not safe in torch (a
+        dangling reference), so such a run uses the bytes taken on the main thread at its start."""
+        if run.state.grad_sink is not None:
+            return run.master_grad_bytes
+        return self.store.grad_bytes()
+
+    def _reserve_pools(self, program: StreamProgram, keep: frozenset, bank: int = 0) -> None:
         """Before a program is issued: every device's stage pool has a slot per stage it holds at once,
         each as large as the program's largest stage, and as many fp32 gradient accumulators, each as
         large as the largest backward stage's (allocated only when that grows); the transfers' slot
@@ -57,27 +76,30 @@ class TransferOps:
                 accumulate = max((self.store.accumulator_numel(stages[s].layers) * 4 for s in mine
                                   if stages[s].kind == "backward"), default=0)
                 spec = stages[largest]
-                backend.pool_label = (f"the stage weight pool, before any LOAD: {count} slot(s) of {sizes[largest]}"
-                                      f" bytes for the largest stage, {spec.describe()}")
-                backend.pool.reserve(count, sizes[largest])
+                pools = backend.bank(bank)
+                backend.pool_label = (f"the stage weight pool{f' (bank {bank})' if bank else ''}, before any LOAD:"
+                                      f" {count} slot(s) of {sizes[largest]} bytes for the largest stage, {spec.describe()}")
+                pools.pool.reserve(count, sizes[largest])
                 if accumulate:
-                    backend.accumulator_pool.ensure([accumulate] * count)
+                    pools.accumulator_pool.ensure([accumulate] * count)
 
     def _settle_pools(self, run: ProgramRun, ok: bool) -> None:
         """After a program has completed: free the buffers that grew during it and, when it ran, size
         every device's transfer slot ``k`` and every host staging slot to the largest content
-        measured there (the same sizes on every device: a rotated plan uses the same slots)."""
+        measured there (the same sizes on every device: a rotated plan uses the same slots). Only the
+        run's own pool bank: a program of the other bank may still be in flight."""
+        host_pool = self.host_pool_of(run.bank)
         if ok:
             devices = device_slots(run.program)
             sizes = slot_sizes(devices, run.device_bytes)
             for backend in self.backends:
-                backend.transfer_pool.ensure(sizes)
+                backend.bank(run.bank).transfer_pool.ensure(sizes)
             hosted, _ = host_slots(run.program, len(self.seq.layers), run.state.keep)
-            self.host_pool.slots.ensure(slot_sizes([hosted], run.host_bytes))
+            host_pool.slots.ensure(slot_sizes([hosted], run.host_bytes))
         for backend in self.backends:
-            backend.transfer_pool.end_program()
-            backend.accumulator_pool.end_program()
-        self.host_pool.end_program()
+            backend.bank(run.bank).transfer_pool.end_program()
+            backend.bank(run.bank).accumulator_pool.end_program()
+        host_pool.end_program()
 
     def pool_allocations(self) -> dict[str, int]:
         """Allocations every pool has made since the executor started, summed over devices: ``stage
@@ -86,20 +108,21 @@ class TransferOps:
         for backend in self.backends:
             for name, pool in backend.pools.items():
                 out[name] = out.get(name, 0) + pool.allocations
-        out["host staging"] = self.host_pool.allocations
+        out["host staging"] = sum(pool.allocations for pool in self._host_pools)
         return out
 
     # ------------------------------------------------------------------ uploads
     def _upload(self, backend: Backend, op: Op, run: ProgramRun, tree: Any, content: tuple) -> int:
         nbytes = packed_nbytes(tree)
         run.device_bytes[content] = nbytes
-        buffer = backend.transfer_pool.take(device_slots(run.program)[backend.device_index].slots[content], nbytes)
+        slot = device_slots(run.program)[backend.device_index].slots[content]
+        buffer = backend.bank(run.bank).transfer_pool.take(slot, nbytes)
 
         def stage(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
             pageable = [src for _, src in pairs if backend.needs_staging(src)]
             if not pageable:
                 return pairs
-            block = self.host_pool.keyed(("upload",) + content, packed_nbytes(pageable))
+            block = self.host_pool_of(run.bank).keyed(("upload",) + content, packed_nbytes(pageable))
             staged, copies = pack(pageable, block)
             for view, src in copies:  # host memcpy now; the upload itself is asynchronous
                 view.copy_(src)
@@ -131,9 +154,9 @@ class TransferOps:
         hosted, _ = host_slots(run.program, len(self.seq.layers), run.state.keep)
         slot = hosted.slots.get(content)
         if slot is None:
-            return self.host_pool.keyed(content, nbytes)
+            return self.host_pool_of(run.bank).keyed(content, nbytes)
         run.host_bytes[content] = nbytes
-        return self.host_pool.slots.take(slot, nbytes)
+        return self.host_pool_of(run.bank).slots.take(slot, nbytes)
 
     def _d2h(self, backend: Backend, op: Op, run: ProgramRun) -> int:
         state = run.state
@@ -171,6 +194,37 @@ class TransferOps:
         parts = [(tree, self._host_block(run, key, tree)) for key, tree in zip(keys, trees)]
         return backend.to_host(parts, publish)
 
+    def _start_refresh(self, program: StreamProgram, stale: list[int], run: ProgramRun) -> threading.Event:
+        """Copy the stale shadows from their masters on the refresh thread, tensor by tensor in the
+        order the program first uploads them (the rest last), each with an event the uploads of its
+        stages wait for (DESIGN.md section 4: the refresh after an optimizer step runs off the main
+        thread). Returns the job's done event."""
+        order: list[int] = []
+        wanted, seen = set(stale), set()
+        for op in program.topological_order():
+            if op.kind is OpKind.LOAD and op.chunk_index == 0:
+                for key in self.store.layout(program.plan.stages[op.stage_index].layers).tensors:
+                    if key in wanted and key not in seen:
+                        seen.add(key)
+                        order.append(key)
+        order += [key for key in stale if key not in seen]
+        run.refreshed = {key: threading.Event() for key in order}
+
+        def refresh() -> None:
+            try:
+                for key in order:
+                    if run.abort.is_set():
+                        return
+                    self.store.refresh_entry(key)
+                    run.refreshed[key].set()
+            except BaseException as error:
+                run.fail(error, "RoundPipe: host weight refresh (master -> upload copy)")
+            finally:
+                for event in run.refreshed.values():
+                    event.set()
+
+        return self.refresher.submit(refresh)
+
     def _wd2h(self, backend: Backend, op: Op, run: ProgramRun) -> int:
         """The stage's weight gradients to the host: ``view.grad`` of fp32 views (autograd summed
         the microbatches) and the fp32 accumulator of the narrower ones, in one keyed block."""
@@ -182,7 +236,7 @@ class TransferOps:
             tensors.append(accumulator.flat)
         if not tensors:
             return 0
-        block = self.host_pool.keyed(("wgrad", op.stage_index, op.round_index), packed_nbytes(tensors))
+        block = self.host_pool_of(run.bank).keyed(("wgrad", op.stage_index, op.round_index), packed_nbytes(tensors))
         received: list = []
         nbytes = backend.to_host([(tensors, block)], received.extend, gradients=True)
         host = received[0]
@@ -190,12 +244,13 @@ class TransferOps:
         if accumulator is not None and accumulator.flat is not None:
             pairs += accumulator.host_pairs(host[-1])
         run.host_grads[(op.stage_index, op.round_index)] = pairs
-        run.add_grad_buffer_bytes(sum(g.numel() * g.element_size() for _, g in pairs), self.store.grad_bytes())
+        run.add_grad_buffer_bytes(sum(g.numel() * g.element_size() for _, g in pairs),
+                                  self._master_grad_bytes(run))
         return nbytes
 
     def _write_back(self, backend: Backend, op: Op, run: ProgramRun, pairs: list, publish: Callable) -> None:
         """At a training forward stage's ``DROP``: its buffers (BatchNorm statistics) to a keyed host
         block, copied into the masters after the program."""
         views = [view for _, view in pairs]
-        block = self.host_pool.keyed(("buffers", op.stage_index, op.round_index), packed_nbytes(views))
+        block = self.host_pool_of(run.bank).keyed(("buffers", op.stage_index, op.round_index), packed_nbytes(views))
         backend.to_host([(views, block)], lambda host: publish(host[0]))

@@ -46,17 +46,17 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from lightning_roundpipe.partition.profile import SharedWeight
 from lightning_roundpipe.runtime.host import fp8
+from lightning_roundpipe.runtime.host.frozen import FrozenWeights
 from lightning_roundpipe.runtime.host.grads import GradAccumulator, download_bytes, needs_fp32_accumulation
-from lightning_roundpipe.runtime.host.pinned import is_pinned, pinned_bytes, pinned_empty
+from lightning_roundpipe.runtime.host.pinned import is_pinned, pinned_empty
 
 _ALIGN = 16
 
@@ -105,6 +105,7 @@ class _Tensor:
     dtype: torch.dtype  # upload dtype
     shadow: torch.Tensor | None = None
     version: tuple[int, int] | None = None
+    spare: torch.Tensor | None = None  # the second snapshot bank's copy (WeightStore.refresh_snapshot)
     original_dtype: torch.dtype | None = None  # frozen parameter converted in place: its dtype before
     # fp8 frozen weight: its host block (codes, padding, scales), the scales' view, the output-channel dim
     # and the dtype it is dequantised to on the devices
@@ -183,7 +184,7 @@ class ResidentStage:
         return out
 
 
-class WeightStore:
+class WeightStore(FrozenWeights):
     """Shadows, layouts and gradient write-back for the layers of a layer sequence.
 
     Args:
@@ -222,6 +223,9 @@ class WeightStore:
         """Asynchronous optimizer: the shadows of trainable parameters are always copies (never the
         master itself), and only ``refresh(force=True)`` changes any shadow, so the pipeline reads a
         snapshot while the optimizer thread updates the masters (paper section 4)."""
+        self.read_bank = 0
+        """The snapshot bank (0 or 1) the runs started from now on upload from (:meth:`refresh_snapshot`);
+        always 0 outside the asynchronous steady state."""
         self.tensors: dict[int, _Tensor] = {}
         # (name, master key) per layer, captured once in the main thread: workers never read the modules' attributes
         self.entries: list[list[tuple[str, int]]] = []
@@ -248,83 +252,6 @@ class WeightStore:
                 entries.append((name, key))
             self.entries.append(entries)
         self._layouts: dict[range, StageLayout] = {}
-
-    # ------------------------------------------------------------------ frozen parameters
-    def _hold_frozen_in_compute_dtype(self, entry: _Tensor) -> None:
-        """A frozen floating-point parameter that would need a shadow becomes its own shadow (in its
-        upload dtype: the compute dtype for a matmul weight under mixed precision, else its own)."""
-        master = entry.master
-        if not (entry.is_param and not master.requires_grad and master.is_floating_point() and self._needs_copy(entry)):
-            return
-        entry.original_dtype = master.dtype
-        data = pinned_empty(master.shape, entry.dtype, pin=self.pin_memory)
-        data.copy_(master.detach())
-        master.data = data
-
-    def _hold_frozen_in_fp8(self, entry: _Tensor, channel_dim: int, name: str) -> None:
-        """A frozen matmul weight becomes fp8 codes with per-channel scales in one host block (pinned on
-        CUDA), converted from its master directly; the master's original storage is freed here."""
-        master = entry.master
-        _, nbytes, _ = fp8.block_layout(master.shape, channel_dim)
-        block = pinned_bytes(nbytes, pin=self.pin_memory)
-        codes, scale = fp8.split_block(block, master.shape, channel_dim)
-        fp8.quantise_into(master.detach(), channel_dim, codes, scale, name)
-        entry.original_dtype, entry.dtype = master.dtype, fp8.FP8_DTYPE
-        entry.block, entry.scale, entry.channel_dim = block, scale, channel_dim
-        entry.dequant_dtype = self.compute_dtype if self.compute_dtype is not None else master.dtype
-        master.data = codes
-
-    def restore_frozen(self) -> None:
-        """Give the frozen parameters converted at construction their original dtype back (unpinned).
-
-        The values of the matmul weights stay rounded to the compute dtype (e.g. bf16), or, with
-        ``frozen_weights="fp8"``, are the dequantised fp8 values in the original dtype: the pipeline
-        computed with those all along, so no training result changes. The others (norms, embeddings:
-        converted only to pin them on CUDA) are unchanged. One weight at a time (its fp8 block is
-        freed before the next is converted back).
-        """
-        for entry in self.tensors.values():
-            if entry.original_dtype is None:
-                continue
-            master = entry.master
-            data = torch.empty(master.shape, dtype=entry.original_dtype)
-            if entry.scale is not None:
-                fp8.dequantise_into(master.detach(), entry.scale, data, entry.channel_dim)
-                entry.block = entry.scale = None
-                entry.dtype = entry.original_dtype
-            else:
-                data.copy_(master.detach())
-            master.data = data
-            entry.original_dtype = None
-            entry.shadow = entry.version = None
-
-    @contextlib.contextmanager
-    def host_weights(self) -> Iterator[None]:
-        """While open, the fp8 weights' parameters hold their dequantised values (in the devices'
-        dtype; a copy of each, in host memory), for an un-pipelined call on the host (``generate()``,
-        a KV cache); the codes come back when it closes. Main thread only, while no program runs."""
-        swapped: list[tuple[_Tensor, torch.Tensor]] = []
-        try:
-            for entry in self.tensors.values():
-                if entry.scale is not None:
-                    codes = entry.master.data
-                    entry.master.data = fp8.dequantise(codes, entry.scale, entry.dequant_dtype)
-                    swapped.append((entry, codes))
-            yield
-        finally:
-            for entry, codes in swapped:
-                entry.master.data = codes
-
-    @property
-    def fp8_weights(self) -> list[torch.Tensor]:
-        """The frozen matmul weights held as fp8 codes (``frozen_weights="fp8"``)."""
-        return [e.master for e in self.tensors.values() if e.scale is not None]
-
-    @property
-    def frozen_in_compute_dtype(self) -> list[torch.Tensor]:
-        """The frozen parameters held only as their upload copy (converted at construction): the
-        frozen matmul weights under mixed precision, and on CUDA every frozen parameter (pinned)."""
-        return [e.master for e in self.tensors.values() if e.original_dtype is not None]
 
     # ------------------------------------------------------------------ shadows
     def _needs_copy(self, entry: _Tensor) -> bool:
@@ -402,12 +329,54 @@ class WeightStore:
         entry.version = (master.data_ptr(), master._version)
         return entry.shadow.numel() * entry.shadow.element_size()
 
-    def host_bytes(self, key: int) -> torch.Tensor:
-        """The shadow of tensor ``key`` as a flat ``uint8`` view."""
+    def refresh_snapshot(self) -> int:
+        """Asynchronous steady state (DESIGN.md section 11): copy every master that has a shadow copy
+        into the snapshot bank no run reads now (``1 - read_bank``) and make it :attr:`read_bank`.
+        A run keeps the bank it started with, so the run still draining uploads the previous weights
+        while the next one uploads these. The caller guarantees that the run which last read the
+        target bank has finished and that no optimizer step is in flight. Each shadow copy exists
+        twice (bytes: twice the trainable parameters in the upload dtype).
+
+        Returns:
+            Bytes copied.
+
+        Raises:
+            ValueError: a frozen parameter held in the compute dtype was unfrozen.
+        """
+        self.stale_entries(force=True)  # sets up the entries that need no copy (their master serves)
+        # every copy, whatever its version counter says: a fused optimizer step on the optimizer thread
+        # bumps none (see `mark_stale`)
+        keys = [key for key, entry in self.tensors.items() if entry.block is None and self._needs_copy(entry)]
+        bank, copied = 1 - self.read_bank, 0
+        for key in keys:
+            if bank == 0:
+                copied += self.refresh_entry(key)
+                continue
+            entry = self.tensors[key]
+            master = entry.master.detach()
+            if entry.spare is None or entry.spare.shape != master.shape:
+                entry.spare = pinned_empty(master.shape, entry.dtype, pin=self.pin_memory)
+            entry.spare.copy_(master)
+            copied += entry.spare.numel() * entry.spare.element_size()
+        self.read_bank = bank
+        return copied
+
+    def end_snapshot(self) -> None:
+        """Leave :attr:`snapshot` mode: one bank again, the second bank's copies freed, every shadow
+        copy stale (the next run copies it from its master)."""
+        self.snapshot, self.read_bank = False, 0
+        for entry in self.tensors.values():
+            entry.spare = None
+            if entry.shadow is not None and entry.shadow.data_ptr() != entry.master.data_ptr():
+                entry.version = None
+
+    def host_bytes(self, key: int, bank: int = 0) -> torch.Tensor:
+        """The shadow of tensor ``key`` in snapshot ``bank`` (:meth:`refresh_snapshot`) as a flat
+        ``uint8`` view."""
         entry = self.tensors[key]
         if entry.block is not None:  # an fp8 weight: its codes and scales
             return entry.block
-        shadow = entry.shadow
+        shadow = entry.spare if bank == 1 and entry.spare is not None else entry.shadow
         if shadow is None:
             raise RuntimeError("RoundPipe weight store used before `refresh()`.")
         return shadow.reshape(-1).view(torch.uint8)
@@ -475,12 +444,12 @@ class WeightStore:
                    if self.tensors[k].is_param and self.tensors[k].master.requires_grad
                    and needs_fp32_accumulation(self.tensors[k].dtype))
 
-    def chunk_pieces(self, layout: StageLayout, buffer: torch.Tensor, start: int, stop: int
+    def chunk_pieces(self, layout: StageLayout, buffer: torch.Tensor, start: int, stop: int, bank: int = 0
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(device bytes, host bytes)`` pieces that fill ``buffer[start:stop]``."""
+        """``(device bytes, host bytes)`` pieces that fill ``buffer[start:stop]`` from snapshot ``bank``."""
         pieces = []
         for key, offset in zip(layout.tensors, layout.offsets):
-            src = self.host_bytes(key)
+            src = self.host_bytes(key, bank)
             lo, hi = max(start, offset), min(stop, offset + src.numel())
             if lo < hi:
                 pieces.append((buffer[lo:hi], src[lo - offset:hi - offset]))

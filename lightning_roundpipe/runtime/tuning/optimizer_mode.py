@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import torch
 
 __all__ = ["measured_optimizer_rate", "mode_step_s", "optimizer_state_bytes", "predicted_optimizer_s",
-           "record_optimizer_step", "run_mode", "step_with_optimizer_s", "steps_overlap"]
+           "predicted_run_step_s", "record_optimizer_step", "run_mode", "step_with_optimizer_s", "steps_overlap"]
 
 #: Profiled steps kept (the first is dropped: it creates the optimizer state).
 MAX_SAMPLES = 16
@@ -153,3 +153,17 @@ def mode_step_s(engine: Any, drained_s: float, fused_stages: Any, profiles: Any,
     return simulate_steady_program(program, profiles, engine.hardware_model(),
                                    optimizer_step_s=predicted_optimizer_s(engine) or 0.0, measure_from_window=first,
                                    microbatch_weights=engine.microbatch_weights(num_microbatches)).step_s
+
+
+def predicted_run_step_s(engine: Any, programs: Any, measured_optimizer_s: float | None = None) -> float | None:
+    """``roundpipe/predicted_step(s)`` of a step that ran ``programs``: for an engine in the steady
+    state (:func:`steps_overlap`) whose last call was fused, the steady-state program's step
+    (:func:`mode_step_s`: the time between two steps' ends, drain overlapped); else the drained
+    programs' time with the optimizer step (:func:`step_with_optimizer_s`). ``None`` before the
+    profiled steps are over."""
+    drained = engine.predict_s(programs)
+    last = getattr(engine, "_last_call", None)
+    if drained is None or not steps_overlap(engine) or last is None or not last[1]:
+        return step_with_optimizer_s(engine, drained, measured_optimizer_s)
+    return mode_step_s(engine, drained, engine.fused_stages, engine.measured_profiles,
+                       engine.microbatches_per_round, last[0])

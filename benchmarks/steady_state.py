@@ -1,0 +1,258 @@
+"""The steady state on CPU virtual devices, in one process (DESIGN.md section 11; issue 19).
+
+A Llama-shaped Hugging Face model (random weights, ``--hidden``, ``--layers``) is fine-tuned with
+``Trainer(strategy=RoundPipeStrategy(...))`` on CPU virtual devices, in each mode:
+
+- ``sync``: ``optimizer="sync"``, every batch drains, then the optimizer step;
+- ``async-drained``: ``optimizer="async", overlap_batches=False`` (before the steady state: the
+  optimizer step overlaps the next pipeline, the pipeline drains every step);
+- ``async``: ``optimizer="async"`` (the steady state: step k+1's pipeline is issued while step k's
+  backward stages drain);
+- ``sync-accum4-drained`` / ``sync-accum4``: ``accumulate_grad_batches=4`` without / with the
+  overlap of the accumulated batches (seconds per batch).
+
+Two cuts of the model: ``odd`` (3 pipeline stages on 2 devices: the round-robin does not fill the
+devices evenly, the drain leaves one idle) and ``even`` (4 stages). Each mode runs ``--repeats``
+times, modes interleaved, so a shared machine slows all alike. Printed per mode: measured seconds per
+batch (median of the batch-to-batch times after the profiled steps and ``--warmup`` batches), the
+mean measured bubble (per device, the share of the measured window its compute stream ran no op,
+from the executor's timelines on the host clock), and the strategy's own prediction
+(``roundpipe/predicted_step(s)``, median over the same batches, for the drained modes; the
+simulator's steady-state program, the host's optimizer step at its measured rate included, for
+``async`` and ``sync-accum4``) with the simulator's mean idle for that mode. ``--verbose`` also
+prints the compute streams' busy seconds per batch and mean op times per kind (CPU contention: the
+overlapped modes leave no bubble for the host's own work). Then the
+ratios async / sync and sync-accum4 / sync-accum4-drained, measured and predicted.
+
+Run: ``python benchmarks/steady_state.py [--devices 2] [--layers 8] [--hidden 128] [--seq 128]
+[--batch 12] [--microbatches 4]`` (a few minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import lightning.pytorch as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_roundpipe
+from lightning_roundpipe.runtime.execution.executor import Executor
+from lightning_roundpipe.runtime.tuning.optimizer_mode import predicted_optimizer_s
+from lightning_roundpipe.schedule.roundpipe import build_steady_state_plan
+from lightning_roundpipe.schedule.steady import lower_steady_state
+from lightning_roundpipe.simulate import simulate_program
+from lightning_roundpipe.simulate.steady import DEFAULT_WINDOWS, rotation_windows, simulate_steady_program
+
+MODES = {
+    "sync": (dict(optimizer="sync"), 1),
+    "async-drained": (dict(optimizer="async", overlap_batches=False), 1),
+    "async": (dict(optimizer="async"), 1),
+    "sync-accum4-drained": (dict(optimizer="sync", overlap_batches=False), 4),
+    "sync-accum4": (dict(optimizer="sync"), 4),
+}
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        ids = self.ids[index]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+class Module(L.LightningModule):
+    def __init__(self, model: torch.nn.Module, optimizer: str) -> None:
+        super().__init__()
+        self.model, self.optimizer_name = model, optimizer
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+
+def make_model(args) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=args.seq, tie_word_embeddings=True)
+    config._attn_implementation = "eager"
+    return LlamaForCausalLM(config)
+
+
+def cuts(layers: int) -> dict[str, tuple[list, list]]:
+    """Forward / backward stages over the adapter's ``layers + 2`` layers (prefix, decoders, tail):
+    ``odd`` 2 forward stages, the fused tail and 2 backward stages (5 stages), ``even`` 3 forward
+    stages, the tail and 2 backward stages (6)."""
+    body = layers + 1  # prefix and decoders; the tail is layer `body`
+
+    def split(count: int) -> list[list[int]]:
+        bounds = [round(i * body / count) for i in range(count + 1)]
+        return [[bounds[i], bounds[i + 1]] for i in range(count)]
+
+    backward = [[body, body + 1]] + split(2)[::-1]
+    return {"odd": (split(2) + [[body, body + 1]], backward), "even": (split(3) + [[body, body + 1]], backward)}
+
+
+class Clock(L.Callback):
+    def __init__(self, skip: int, mode: str, accumulate: int, microbatches: int) -> None:
+        self.skip, self.starts, self.predicted = skip, [], []
+        self.mode, self.accumulate, self.microbatches = mode, accumulate, microbatches
+        self.predicted_idle, self.predicted_steady = float("nan"), None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.predicted_steady, self.predicted_idle = predicted_idle(trainer.strategy.engine, self.mode, self.accumulate,
+                                                                    self.microbatches)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if len(self.starts) > self.skip:
+            value = trainer.strategy.step_metrics.get("roundpipe/predicted_step(s)")
+            if value is not None:
+                self.predicted.append(float(value))
+
+
+def busy_idle(timelines: list, num_devices: int) -> float:
+    spans = [(t.origin_s + i.start_s, t.origin_s + i.end_s, i.device_index) for t in timelines for i in t.intervals
+             if i.stream == "compute"]
+    start, end = min(s for s, _, _ in spans), max(e for _, e, _ in spans)
+    return sum(100.0 * (1.0 - sum(e - s for s, e, d in spans if d == device) / (end - start))
+               for device in range(num_devices)) / num_devices
+
+
+def predicted_idle(engine, mode: str, accumulate: int, microbatches: int) -> tuple[float | None, float]:
+    """The simulator's (seconds per batch, mean idle %) for the mode: the steady-state program for the
+    overlapped modes (the host's ``OPT`` at the measured optimizer rate), the drained program's idle
+    (seconds ``None``: the strategy's own ``roundpipe/predicted_step(s)`` is used) otherwise."""
+    stages, devices = engine.fused_stages, len(engine.backends)
+    weights = engine.microbatch_weights(microbatches)
+    if mode in ("async", "sync-accum4"):
+        optimizer = "async" if mode == "async" else "sync"
+        windows, first = DEFAULT_WINDOWS[optimizer]
+        if optimizer == "async":
+            windows = first + 1 + rotation_windows(len(stages), devices, 1)
+        plan = build_steady_state_plan(stages, devices, microbatches, windows * accumulate, optimizer=optimizer,
+                                       accumulate_grad_batches=accumulate, validate=False)
+        program = lower_steady_state(
+            plan, stage_weight_bytes=[engine.store.stage_bytes(s.layers) for s in plan.stages],
+            stage_grad_bytes=[engine.store.stage_grad_bytes(s.layers) if s.kind == "backward" else 0
+                              for s in plan.stages], chunk_bytes=engine.chunk_bytes, validate=False)
+        steady = simulate_steady_program(program, engine.measured_profiles, engine.hardware_model(),
+                                         optimizer_step_s=predicted_optimizer_s(engine) or 0.0,
+                                         measure_from_window=first, microbatch_weights=weights)
+        return steady.step_s, steady.mean_idle_pct
+    program = engine.program(microbatches, 0, fused=True)
+    return None, simulate_program(program, engine.measured_profiles, engine.hardware_model(),
+                                  microbatch_weights=weights).mean_idle_pct
+
+
+def run(mode: str, cut: tuple[list, list], args) -> dict:
+    kwargs, accumulate = MODES[mode]
+    profile_steps = 3
+    skip = (profile_steps + args.warmup) * accumulate
+    batches = skip + args.batches * accumulate
+    finished: list = []
+    real_finish = Executor.finish
+
+    def finish(executor, run_):
+        timeline = real_finish(executor, run_)
+        finished.append((clock_count(), timeline))
+        return timeline
+
+    clock = Clock(skip, mode, accumulate, args.microbatches)
+
+    def clock_count() -> int:
+        return len(clock.starts)
+
+    Executor.finish = finish
+    module = Module(make_model(args), args.optimizer)
+    strategy = lightning_roundpipe.RoundPipeStrategy(
+        num_microbatches=args.microbatches, forward_stages=cut[0], backward_stages=cut[1],
+        profile_steps=profile_steps, trace_every_n_steps=0, **kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=batches // accumulate,
+                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[clock])
+    try:
+        trainer.fit(module, DataLoader(Tokens(batches * args.batch, args.seq, 512), batch_size=args.batch))
+    finally:
+        Executor.finish = real_finish
+    end = time.perf_counter()
+    starts = clock.starts[skip:] + [end]
+    per_batch = statistics.median(b - a for a, b in zip(starts, starts[1:]))
+    timelines = [timeline for count, timeline in finished if count > skip and timeline is not None]
+    predicted = clock.predicted  # the programs each batch ran (one batch's, also when accumulating)
+    if args.verbose:
+        ops = [(i.kind, i.end_s - i.start_s) for t in timelines for i in t.intervals if i.stream == "compute"]
+        kinds = sorted({k for k, _ in ops})
+        print(f"  {mode}: {len(timelines)} timelines, compute busy "
+              f"{sum(d for _, d in ops) / args.batches / accumulate:.4f} s/batch; mean op s "
+              + ", ".join(f"{k}={statistics.mean(d for kk, d in ops if kk == k):.4f}x{sum(1 for kk, _ in ops if kk == k)}"
+                          for k in kinds))
+    return {"step": per_batch, "idle": busy_idle(timelines, args.devices),
+            "predicted": (clock.predicted_steady if clock.predicted_steady is not None
+                          else statistics.median(predicted) if predicted else float("nan")),
+            "predicted_idle": clock.predicted_idle}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=12)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--cuts", default="odd,even")
+    parser.add_argument("--verbose", action="store_true", help="per mode: compute busy seconds and mean op times")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    modes = args.modes.split(",")
+    for cut_name, cut in cuts(args.layers).items():
+        if cut_name not in args.cuts.split(","):
+            continue
+        measured: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for _ in range(args.repeats):
+            for mode in modes:
+                measured[mode].append(run(mode, cut, args))
+        print(f"\n{cut_name} cut: forward {cut[0]} + fused tail, {args.devices} CPU virtual devices, Llama"
+              f" {args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq} tokens,"
+              f" {args.microbatches} microbatches, {args.optimizer}, {args.repeats} repeats")
+        print(f"{'mode':<21}{'s/batch':>9}{'predicted':>11}{'meas/pred':>11}{'bubble %':>10}{'predicted %':>13}")
+        medians = {}
+        for mode in modes:
+            runs = measured[mode]
+            step = statistics.median(r["step"] for r in runs)
+            idle = statistics.median(r["idle"] for r in runs)
+            predicted = statistics.median(r["predicted"] for r in runs)
+            medians[mode] = (step, predicted)
+            p_idle = statistics.median(r["predicted_idle"] for r in runs)
+            print(f"{mode:<21}{step:>9.4f}{predicted:>11.4f}{step / predicted:>11.2f}{idle:>10.1f}{p_idle:>13.1f}")
+        for a, b in (("async", "sync"), ("async", "async-drained"), ("sync-accum4", "sync-accum4-drained")):
+            if a in medians and b in medians:
+                print(f"{a} / {b}: {medians[a][0] / medians[b][0]:.3f} (predicted {medians[a][1] / medians[b][1]:.3f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The fused path's call, and the overlap of accumulated batches (DESIGN.md section 11, sync mode).
+
+With ``accumulate_grad_batches > 1`` the weights do not change between the batches of one optimizer
+step, so batch ``i + 1``'s program may be issued while batch ``i``'s backward stages still drain:
+
+- a call the strategy marks as overlappable (:attr:`RoundPipeEngine.overlap_next`: a batch that does
+  not step the optimizer, in ``"sync"`` mode, with no hook reading gradients at its backward) starts
+  its program (:meth:`Executor.start`), waits only for the fused tail's losses, and returns; its
+  loss's backward records the incoming gradient and returns without waiting for the drain;
+- the next call starts its program on the other pool bank, behind the first on every (device,
+  stream): each device runs the next batch's forward stages as soon as its part of the previous
+  batch is done; then the previous run is finished and its gradient buffers are added into the
+  masters' ``.grad`` (scaled as the loss's backward asked), before any of the new batch's;
+- a call that is not overlappable (the batch that steps the optimizer) runs its whole program
+  inside the forward, as without overlap, after finishing the previous one: clipping,
+  ``on_before_optimizer_step`` and ``optimizer.step()`` see the complete accumulated gradient.
+
+So ``.grad`` holds the complete gradient of every finished batch at the stepping batch's backward and
+after :meth:`StepOverlap.drain`; between an overlapped batch's backward and the next batch's forward
+it does not hold that batch's part yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_roundpipe.runtime.execution.autograd import attach
+from lightning_roundpipe.runtime.execution.microbatch import merge_leaves
+from lightning_roundpipe.runtime.execution.run_state import PipelineState, ProgramRun
+from lightning_roundpipe.schedule.program import Op, OpKind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
+
+
+@dataclass
+class _Pending:
+    """An overlapped fused call whose program still drains."""
+
+    run: ProgramRun
+    sink: dict
+    seed: float
+    grad: torch.Tensor | None = None  # the loss's incoming gradient, once its backward ran
+    finished: bool = False
+    added: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _scaled(buffer: torch.Tensor, grad: torch.Tensor, seed: float) -> torch.Tensor:
+    factor = grad if seed == 1.0 else grad / seed  # the incoming gradient in units of the seed
+    return buffer if bool(factor == 1) else buffer * factor.to(buffer.dtype)
+
+
+class StepOverlap:
+    """The engine's runs in flight across fused calls (see the module docstring).
+
+    Args:
+        engine: the :class:`~lightning_roundpipe.runtime.execution.engine.RoundPipeEngine`.
+    """
+
+    def __init__(self, engine: "RoundPipeEngine") -> None:
+        self.engine = engine
+        self.pending: list[_Pending] = []
+        self._open: list[_Pending] = []  # calls whose gradients are not in .grad yet
+        self.told_one_bank = False
+
+    # ------------------------------------------------------------------ finishing
+    def _finish(self, pending: _Pending) -> None:
+        """Wait for ``pending``'s run, keep its timeline, and add its gradients if its backward ran."""
+        self.pending.remove(pending)
+        already = pending.run.done and pending.run.timeline is None  # failed, its error raised before
+        try:
+            timeline = None if already else self.engine.executor.finish(pending.run)
+        except BaseException:
+            self._close(pending)  # its gradients are lost with the error
+            raise
+        if timeline is None:  # a failed run adds nothing
+            self._close(pending)
+            return
+        self.engine._keep(timeline, pending.run.program)
+        pending.finished = True
+        if pending.grad is not None:
+            self._add(pending)
+
+    def _add(self, pending: _Pending) -> None:
+        engine = self.engine
+        if engine.grad_barrier is not None:  # an optimizer step in flight reads .grad: wait for it
+            engine.grad_barrier()
+        if engine.sink_barrier is not None:
+            engine.sink_barrier(pending.sink)
+        for master, buffer in pending.sink.values():
+            contribution = _scaled(buffer, pending.grad, pending.seed)
+            if master.grad is None:
+                master.grad = contribution
+            else:
+                master.grad.add_(contribution)
+        pending.sink.clear()
+        pending.added = True
+        self._close(pending)
+        if engine.on_gradients_complete is not None and not self.incomplete():
+            engine.on_gradients_complete()
+
+    def incomplete(self) -> bool:
+        """Whether a call's gradients are not all in ``.grad`` yet (its run still drains, or its
+        backward has not run)."""
+        return bool(self._open)
+
+    def _close(self, pending: _Pending) -> None:
+        if pending in self._open:
+            self._open.remove(pending)
+
+    def drain(self) -> None:
+        """Finish every overlapped run, oldest first, and add the gradients of those whose backward
+        ran (the others' are added by their backward). Call before anything reads ``.grad``, the
+        weights or the buffers outside a training step (checkpoints, validation, epoch end,
+        exceptions, teardown).
+
+        Raises:
+            The first error of a run (after the older runs were finished: their gradients are kept).
+        """
+        while self.pending:
+            self._finish(self.pending[0])
+        for pending in list(self._open):  # finished, but their backward never ran: nothing to wait for
+            if pending.finished:
+                self._close(pending)
+
+    def allowed(self, grad_inputs: list) -> bool:
+        """Whether this fused call may be overlapped with the next (consumes ``engine.overlap_next``)."""
+        engine = self.engine
+        wanted, engine.overlap_next = engine.overlap_next, False
+        barrier_ok = engine.grad_barrier is None or engine.on_gradients_complete is not None
+        return (wanted and not grad_inputs and barrier_ok and engine.sink_barrier is None
+                and engine.seq.routing is None and not _running_statistics(engine.seq.layers))
+
+    # ------------------------------------------------------------------ the fused call
+    def fused_forward(self, state: PipelineState, m: int, batch_leaves: list, sizes: list[int],
+                      grad_inputs: list, batch_carry: dict | None = None) -> Any:
+        """The fused path: forward stages, the fused tail and the backward stages as one program; the
+        returned loss's backward scales the gradient buffers into ``.grad``.
+
+        Gradients land in CPU buffers (``state.grad_sink``), computed with the backward seeded by
+        ``loss_seed``; the node's backward adds ``buffer * (grad_output / loss_seed)`` into each
+        parameter's ``.grad`` (gradients are linear in the seed, so this is exact whatever the user
+        does with the scalar loss, e.g. Lightning's loss scaling under fp16). An overlapped call
+        (:meth:`allowed`) returns once the tail's losses are on the host and adds its buffers when
+        its run is finished (the next call, or :meth:`drain`).
+
+        Raises:
+            ValueError: when ``loss_seed()`` is not a finite number > 0.
+        """
+        engine = self.engine
+        seed = 1.0 if engine.loss_seed is None else float(engine.loss_seed())
+        if not (math.isfinite(seed) and seed > 0):
+            raise ValueError(f"The fused path's `loss_seed()` must be a finite number > 0, got {seed!r}.")
+        if engine.on_fused_call is not None:
+            engine.on_fused_call()
+        overlap = self.allowed(grad_inputs)
+        if engine.before_fused_start is not None:
+            engine.before_fused_start()
+        state.loss_seed = seed
+        state.grad_sink = {}
+        engine._last_call, engine._last_sizes = (m, True), list(sizes)
+        program = engine.program(m, engine._advance(len(engine.fused_stages)), fused=True)
+        run = engine.executor.start(program, state)  # behind the previous call's drain, if one is in flight
+        if engine.executor.one_bank is not None and not self.told_one_bank:
+            self.told_one_bank = True
+            engine.info("RoundPipe: the next batch's pipeline no longer overlaps the previous one's drain: a second"
+                        f" set of device pools does not fit ({engine.executor.one_bank}). HINT: smaller stages"
+                        " (`device_memory_bytes`, `partition='auto'`) or fewer microbatch rows bring the overlap back.")
+        try:
+            self.drain()  # the previous call's run: its gradients go into .grad before this call's
+        except BaseException:
+            if run in engine.executor.in_flight:  # a failed older run stops this one; else clean it up here
+                with contextlib.suppress(BaseException):
+                    engine.executor.finish(run)
+            raise
+        pending = None
+        if overlap:
+            tail = next(s.stage_index for s in engine.fused_stages if s.fused)
+            engine.executor.wait_ops(run, [Op(OpKind.D2H, tail, mb) for mb in range(m)])
+            if run.error is not None:  # raise it now, with the run's cleanup
+                engine._keep(engine.executor.finish(run), program)
+            pending = _Pending(run, state.grad_sink, seed)
+            self.pending.append(pending)
+            self._open.append(pending)
+        else:
+            engine._keep(engine.executor.finish(run), program)
+        key = engine.seq.loss_key
+        loss = merge_leaves([[state.final.pop(i)[key]] for i in range(m)])[0]
+        extra = engine._routing_outputs(state, batch_carry) if batch_carry is not None else {}
+        if key in extra:
+            loss = loss + extra.pop(key)
+        sink = state.grad_sink
+        input_grads = engine._input_grads(state, batch_leaves, sizes) if pending is None else []
+
+        def run_backward(grads: list) -> list:
+            state.start_backward()
+            g = grads[0]
+            if g is None:
+                return [None] * len(input_grads)
+            if pending is not None:  # overlapped: added when the run is finished (now, if it is)
+                pending.grad = g
+                if pending.finished and not pending.added:
+                    self._add(pending)
+                return []
+            if engine.grad_barrier is not None:
+                engine.grad_barrier()
+            if engine.sink_barrier is not None:
+                engine.sink_barrier(sink)
+            for master, buf in sink.values():
+                contrib = _scaled(buf, g, seed)
+                if master.grad is None:
+                    master.grad = contrib
+                else:
+                    master.grad.add_(contrib)
+            sink.clear()
+            return [None if x is None else _scaled(x, g, seed) for x in input_grads]
+
+        (loss,) = attach([loss], run_backward, grad_inputs)
+        return engine.seq.finalize({**extra, key: loss})
+
+
+def _running_statistics(layers: Any) -> bool:
+    """Whether a layer in training mode updates running statistics in its forward (BatchNorm): the
+    next batch's forward would read them before this batch's are written back."""
+    return any(isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.training
+               and module.track_running_stats for layer in layers for module in layer.modules())
