@@ -37,28 +37,10 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_roundpipe  # noqa: E402
+from cpu_scaling import LM  # noqa: E402  (the same Llama-shaped module, SGD)
 
 sys.path.insert(0, os.path.dirname(__file__))
 from throughput import RandomTokens  # noqa: E402
-
-
-class LM(L.LightningModule):
-    def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                          num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                          num_key_value_heads=max(1, args.hidden // 256), tie_word_embeddings=True)
-        cfg._attn_implementation = "eager"
-        self.model = LlamaForCausalLM(cfg)
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
 class StepMetrics(L.Callback):

@@ -115,6 +115,11 @@ class Clock(L.Callback):
         self.predicted_idle, self.predicted_steady = float("nan"), None
 
     def on_train_end(self, trainer, pl_module) -> None:
+        choice = trainer.strategy.engine.plan_choice  # the automatic choice (partition="auto"), else None
+        self.choice = None if choice is None else dict(
+            forward_stages=[[r.start, r.stop] for r in choice.partition.forward_stages],
+            backward_stages=[[r.start, r.stop] for r in choice.partition.backward_stages],
+            microbatches_per_round=choice.microbatches_per_round, num_microbatches=choice.num_microbatches)
         self.predicted_steady, self.predicted_idle = predicted_idle(trainer.strategy.engine, self.mode, self.accumulate,
                                                                     self.microbatches)
 
@@ -162,7 +167,9 @@ def predicted_idle(engine, mode: str, accumulate: int, microbatches: int) -> tup
                                   microbatch_weights=weights).mean_idle_pct
 
 
-def run(mode: str, cut: tuple[list, list], args) -> dict:
+def run(mode: str, cut: tuple[list, list] | dict | None, args, devices: int | None = None) -> dict:
+    """One fit in ``mode``: ``cut`` is ``(forward, backward)`` stages, the keyword arguments of an
+    explicit plan (a recorded automatic choice), or ``None`` (``partition="auto"``)."""
     kwargs, accumulate = MODES[mode]
     profile_steps = 3
     skip = (profile_steps + args.warmup) * accumulate
@@ -182,10 +189,12 @@ def run(mode: str, cut: tuple[list, list], args) -> dict:
 
     Executor.finish = finish
     module = Module(make_model(args), args.optimizer)
-    strategy = lightning_roundpipe.RoundPipeStrategy(
-        num_microbatches=args.microbatches, forward_stages=cut[0], backward_stages=cut[1],
-        profile_steps=profile_steps, trace_every_n_steps=0, **kwargs)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=batches // accumulate,
+    plan = (dict(num_microbatches=args.microbatches) if cut is None else dict(cut) if isinstance(cut, dict)
+            else dict(num_microbatches=args.microbatches, forward_stages=cut[0], backward_stages=cut[1]))
+    strategy = lightning_roundpipe.RoundPipeStrategy(profile_steps=profile_steps, trace_every_n_steps=0, **plan,
+                                                     **kwargs)
+    devices = devices or args.devices
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=batches // accumulate,
                         accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[clock])
@@ -205,7 +214,7 @@ def run(mode: str, cut: tuple[list, list], args) -> dict:
               f"{sum(d for _, d in ops) / args.batches / accumulate:.4f} s/batch; mean op s "
               + ", ".join(f"{k}={statistics.mean(d for kk, d in ops if kk == k):.4f}x{sum(1 for kk, _ in ops if kk == k)}"
                           for k in kinds))
-    return {"step": per_batch, "idle": busy_idle(timelines, args.devices),
+    return {"step": per_batch, "idle": busy_idle(timelines, devices), "choice": getattr(clock, "choice", None),
             "predicted": (clock.predicted_steady if clock.predicted_steady is not None
                           else statistics.median(predicted) if predicted else float("nan")),
             "predicted_idle": clock.predicted_idle}
@@ -225,10 +234,16 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--cuts", default="odd,even")
+    parser.add_argument("--compare-choice", action="store_true",
+                        help="on 2 and 3 devices: the automatic choice made for the steady state vs the one made for"
+                             " drained steps (the choice before the steady state), both run in the steady state")
     parser.add_argument("--verbose", action="store_true", help="per mode: compute busy seconds and mean op times")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     modes = args.modes.split(",")
+    if args.compare_choice:
+        compare_choice(args)
+        return
     for cut_name, cut in cuts(args.layers).items():
         if cut_name not in args.cuts.split(","):
             continue
@@ -252,6 +267,23 @@ def main() -> None:
         for a, b in (("async", "sync"), ("async", "async-drained"), ("sync-accum4", "sync-accum4-drained")):
             if a in medians and b in medians:
                 print(f"{a} / {b}: {medians[a][0] / medians[b][0]:.3f} (predicted {medians[a][1] / medians[b][1]:.3f})")
+
+
+def compare_choice(args) -> None:
+    """``partition="auto"`` in ``async``: the plan chosen for the steady state (this run) against the
+    plan the same automatic choice makes for drained steps (``overlap_batches=False``), the latter
+    re-run in the steady state with that plan given explicitly; on 2 and 3 devices."""
+    for devices in (2, 3):
+        old, new, old_in_steady = [], [], []
+        for _ in range(args.repeats):
+            drained = run("async-drained", None, args, devices)
+            new.append(run("async", None, args, devices))
+            old_in_steady.append(run("async", drained["choice"], args, devices))
+            old.append(drained)
+        now, before = statistics.median(r["step"] for r in new), statistics.median(r["step"] for r in old_in_steady)
+        print(f"\n{devices} devices, automatic choice, async steady state: chosen for the steady state {now:.4f} s/batch"
+              f" ({new[-1]['choice']}); chosen for drained steps {before:.4f} s/batch ({old[-1]['choice']});"
+              f" ratio {now / before:.3f}")
 
 
 if __name__ == "__main__":
