@@ -16,6 +16,7 @@ Every field is validated once, in :meth:`RoundPipeConfig.__post_init__`, with Li
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -37,7 +38,7 @@ FROZEN_WEIGHT_MODES = (None, "fp8")
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy ints too
 
 
 def _is_number(value: Any) -> bool:
@@ -49,6 +50,15 @@ def _check_positive(name: str, value: Any, integer: bool, hint: str) -> None:
     if not ok or not value > 0 or not math.isfinite(value):
         kind = "a positive int" if integer else "a positive finite number"
         raise ValueError(f"`{name}` must be {kind}, got {value!r}. HINT: {hint}.")
+
+
+MIN_RELATIVE_SPEED = 0.01
+"""The slowest CPU virtual device accepted, relative to the fastest (``cpu_device_speeds``)."""
+
+
+def _whole(value: Any) -> Any:
+    """``value`` as an int when it is a float holding a whole number (``1e9`` from a command line)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 MIN_LINK_BYTES_PER_S = 1e6
@@ -330,24 +340,33 @@ class RoundPipeConfig:
                             " HINT: None follows LIGHTNING_ROUNDPIPE_CHECK_STREAMS.")
         if isinstance(self.device_memory_bytes, Sequence) and not isinstance(self.device_memory_bytes, (str, bytes)):
             per_device = tuple(self.device_memory_bytes)
+            per_device = tuple(_whole(v) for v in per_device)
             if not per_device:
                 raise ValueError("`device_memory_bytes` is an empty list. HINT: one int (bytes) per device, one int"
                                  " for all devices, or None.")
             for index, value in enumerate(per_device):
                 _check_positive(f"device_memory_bytes[{index}]", value, integer=True,
                                 hint="one positive int (bytes) per device, e.g. [256 * 2**20, 64 * 2**20]")
-            object.__setattr__(self, "device_memory_bytes", per_device)
+            object.__setattr__(self, "device_memory_bytes", tuple(int(v) for v in per_device))
         elif self.device_memory_bytes is not None:
+            object.__setattr__(self, "device_memory_bytes", _whole(self.device_memory_bytes))
             _check_positive("device_memory_bytes", self.device_memory_bytes, integer=True,
-                            hint="e.g. 64 * 2**20 for 64 MiB per device, or one int per device")
+                            hint="e.g. 67108864 (64 MiB) per device, or one int per device")
+            object.__setattr__(self, "device_memory_bytes", int(self.device_memory_bytes))
         speeds = self.cpu_device_speeds
         if speeds is not None:
             if isinstance(speeds, (str, bytes)) or not isinstance(speeds, Sequence) or not speeds:
-                raise ValueError(f"`cpu_device_speeds` must be a list of relative speeds, one per device, or None, got"
-                                 f" {speeds!r}. HINT: cpu_device_speeds=[1.0, 0.5] makes device 1 half as fast.")
+                what = "is an empty list" if isinstance(speeds, Sequence) and not speeds else f"got {speeds!r}"
+                raise ValueError(f"`cpu_device_speeds` must be a list of relative speeds, one per device, or None; it"
+                                 f" {what}. HINT: cpu_device_speeds=[1.0, 0.5] makes device 1 half as fast.")
             for index, value in enumerate(speeds):
                 _check_positive(f"cpu_device_speeds[{index}]", value, integer=False,
                                 hint="relative speeds, one per device, e.g. [1.0, 0.5]")
+            if min(speeds) < MIN_RELATIVE_SPEED * max(speeds):
+                raise ValueError(f"`cpu_device_speeds={list(speeds)}`: the slowest device is more than"
+                                 f" {1 / MIN_RELATIVE_SPEED:.0f}x slower than the fastest; each of its ops would sleep"
+                                 " that many times its work and the run would look hung. HINT: relative speeds within"
+                                 f" {MIN_RELATIVE_SPEED} of each other, e.g. [1.0, 0.25], or leave the slow device out.")
             object.__setattr__(self, "cpu_device_speeds", tuple(float(v) for v in speeds))
         if not isinstance(self.dispatch, str) or self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"`dispatch` must be one of {list(DISPATCH_MODES)}, got {self.dispatch!r}. HINT: 'auto'"

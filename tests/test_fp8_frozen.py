@@ -318,6 +318,23 @@ def test_checkpoints_leave_fp8_weights_out_and_saving_after_fit_warns_once(tmp_p
         strategy._fp8.load_state_dict(resumed, {"state_dict": state}, strict=True)
 
 
+def test_saving_only_the_peft_adapter_after_fit_does_not_warn(tmp_path):
+    """PEFT's adapter-only save (``save_pretrained``) takes the whole state dict and keeps the adapter's
+    entries: no fp8 weight is saved, so no warning; a full state dict afterwards still warns."""
+    import warnings
+
+    module = _lora_module()
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=2, partition="default", frozen_weights="fp8")
+    trainer(strategy, devices=2, max_steps=1).fit(module, loader(TokenData(n=14)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    assert not [w for w in caught if "fp8-rounded" in str(w.message)]
+    with pytest.warns(UserWarning, match="fp8-rounded values"):
+        module.state_dict()
+
+
 # ---------------------------------------------------------------------------------------------- host memory
 def test_conversion_streams_one_weight_at_a_time():
     """Peak host bytes while the store converts 8 frozen fp32 linears (an allocation ledger counts the

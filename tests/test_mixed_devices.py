@@ -220,7 +220,7 @@ def test_configuration_errors_name_the_argument():
         lightning_roundpipe.RoundPipeStrategy(dispatch="fast")
     with pytest.raises(ValueError, match=r"`device_memory_bytes\[0\]`"):
         lightning_roundpipe.RoundPipeStrategy(device_memory_bytes=[0, 5])
-    with pytest.raises(ValueError, match=r"one per device \(3\)"):
+    with pytest.raises(ValueError, match=r"`device_memory_bytes` has 2 entries for 3 devices\. HINT"):
         make_backends([torch.device("cpu")] * 3, device_memory_bytes=[2**20, 2**20])
     engine = SimpleNamespace(backends=[SimpleNamespace(is_cuda=False)] * 2, executor=SimpleNamespace(profiler=None))
     with pytest.raises(ValueError, match="has 3 entries for 2 devices. HINT"):
@@ -386,3 +386,34 @@ def test_plan_command_prints_both_dispatch_rules(capsys):
     assert "unknown GPU 'nope'" in capsys.readouterr().err
     assert main(["plan", "--preset", "llama3.1-8b", "--devices", "4090,3090", "--stage-memory-gib", "4"]) == 2
     assert "`--stage-memory-gib`" in capsys.readouterr().err
+
+
+def test_speeds_too_far_apart_and_whole_number_budgets():
+    """A device more than 100x slower than the fastest is refused (each op would sleep 100x its work:
+    the run would look hung); a budget given as a whole-number float (``1e9`` from a command line) or
+    a numpy int is taken as that int."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"more than 100x slower than the fastest.*HINT"):
+        lightning_roundpipe.RoundPipeStrategy(cpu_device_speeds=[1.0, 1e-9])
+    with pytest.raises(ValueError, match="is an empty list"):
+        lightning_roundpipe.RoundPipeStrategy(cpu_device_speeds=[])
+    assert lightning_roundpipe.RoundPipeStrategy(device_memory_bytes=1e9).device_memory_bytes == 10**9
+    assert lightning_roundpipe.RoundPipeStrategy(device_memory_bytes=[np.int64(2**30), 2e6]).device_memory_bytes == (
+        2**30, 2 * 10**6)
+    with pytest.raises(ValueError, match="`device_memory_bytes` must be a positive int, got 1.5"):
+        lightning_roundpipe.RoundPipeStrategy(device_memory_bytes=1.5)
+
+
+def test_plan_devices_named_like_a_count_or_a_rate(capsys):
+    """`--devices 3060` is a count (out of range: the error says how to name one RTX 3060), and a GPU
+    name where `TFLOPS:GiB` wants TFLOP/s (`4090:24`) is refused, not read as 4,090 TFLOP/s."""
+    from lightning_roundpipe.cli.mixed_plan import parse_devices
+
+    with pytest.raises(ValueError, match=r"`4090` is a GPU's name: write `--devices 4090`"):
+        parse_devices("4090:24")
+    assert parse_devices("330:24")[0].bf16_flops_per_s == 330e12
+    from lightning_roundpipe.cli import main
+
+    assert main(["plan", "--devices", "3060", "--preset", "llama3.1-8b"]) != 0
+    assert "write `--devices rtx3060`" in capsys.readouterr().err

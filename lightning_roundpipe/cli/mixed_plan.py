@@ -35,6 +35,10 @@ __all__ = ["MixedPlanReport", "RulePlan", "format_mixed_report", "make_mixed_rep
 GiB = 2**30
 
 
+MAX_TFLOPS = 3000
+"""The largest dense bf16 TFLOP/s accepted for one device in ``TFLOPS:GiB`` (a B200 has about 2,250)."""
+
+
 def parse_devices(text: str) -> int | tuple[GpuSpec, ...]:
     """``--devices``: a count of equal devices (``"8"``), or a list of devices separated by commas,
     each a known GPU's name (``4090``, ``rtx3090``: :data:`~lightning_roundpipe.partition.devices.KNOWN_GPUS`)
@@ -66,6 +70,10 @@ def parse_devices(text: str) -> int | tuple[GpuSpec, ...]:
             if not all(0 < v < math.inf for v in values):
                 raise ValueError(f"`--devices` entry {entry!r} must be `TFLOPS:GiB`, two finite numbers > 0 (dense bf16"
                                  " TFLOP/s and memory GiB). HINT: `--devices 330:24,142:24`.")
+            if values[0] > MAX_TFLOPS:  # `4090:24`: a GPU's name where its TFLOP/s belong
+                named = f" `{tflops}` is a GPU's name: write `--devices {tflops}`." if gpu_spec(tflops) else ""
+                raise ValueError(f"`--devices` entry {entry!r}: {values[0]:g} dense bf16 TFLOP/s is more than any device"
+                                 f" ({MAX_TFLOPS} at most).{named} HINT: `TFLOPS:GiB`, e.g. `330:24` for an RTX 4090.")
             out.append(GpuSpec(f"{values[0]:g} TFLOP/s", values[0] * 1e12, int(values[1] * GiB)))
             continue
         spec = gpu_spec(entry)

@@ -250,7 +250,11 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
             raise ValueError(f"`{flag}` must be a finite number > 0, got {value}. HINT: see `roundpipe plan --help`"
                              " for each flag's default (an RTX 4090 on PCIe 4.0 x16).")
     if not 1 <= args.devices <= MAX_DEVICES:
-        raise ValueError(f"`--devices` must be in 1..{MAX_DEVICES} (devices of one machine), got {args.devices}."
+        from lightning_roundpipe.partition.devices import gpu_spec
+
+        named = (f" A count, not a GPU: for one {args.devices}, write `--devices rtx{args.devices}`."
+                 if gpu_spec(str(args.devices)) is not None else "")
+        raise ValueError(f"`--devices` must be in 1..{MAX_DEVICES} (devices of one machine), got {args.devices}.{named}"
                          " HINT: across machines, plan one node and add data parallelism (`Trainer(num_nodes=N)`).")
     gbps = 1e9
     hw = HardwareModel(

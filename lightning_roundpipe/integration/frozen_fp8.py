@@ -23,6 +23,7 @@ The conversion itself is the weight store's (:mod:`~lightning_roundpipe.runtime.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Iterator, Mapping
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -48,12 +49,30 @@ class _WarnWhenSaved:
         self.muted = False
 
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not self.warned and not self.muted:
+        if not self.warned and not self.muted and not _saving_peft_adapter():
             self.warned = True
             rank_zero_warn(self.message)
 
     def __reduce__(self) -> tuple:
         return type, (slice(None),)  # copies get `builtins.slice`: called with the hook's arguments, it does nothing
+
+
+#: PEFT's function that takes the whole state dict and keeps the adapter's entries only
+#: (``PeftModel.save_pretrained``, ``get_peft_model_state_dict``): such a save holds no fp8 weight.
+_ADAPTER_ONLY = "get_peft_model_state_dict"
+
+
+def _saving_peft_adapter(max_depth: int = 40) -> bool:
+    """Whether this ``state_dict()`` call comes from PEFT's adapter-only save (a caller frame named
+    :data:`_ADAPTER_ONLY` in a ``peft`` module)."""
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == _ADAPTER_ONLY and "peft" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class FrozenFp8:

@@ -39,7 +39,10 @@ def per_device_bytes(device_memory_bytes: int | Sequence[int] | None, num_device
     if device_memory_bytes is None:
         return [None] * num_devices
     values = [device_memory_bytes] * num_devices if isinstance(device_memory_bytes, int) else list(device_memory_bytes)
-    if len(values) != num_devices or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+    if len(values) != num_devices:
+        raise ValueError(f"`device_memory_bytes` has {len(values)} entries for {num_devices} devices. HINT: one int (bytes)"
+                         " per device, in the order of the devices, or one int for all of them.")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
         raise ValueError(f"`device_memory_bytes` must be a positive int (bytes), one per device ({num_devices}), or None,"
                          f" got {device_memory_bytes!r}. HINT: e.g. `device_memory_bytes=64 * 2**20` for 64 MiB per CPU"
                          " virtual device, or `[256 * 2**20, 64 * 2**20]` for two devices of unequal memory.")

@@ -67,7 +67,9 @@ class DeviceMemoryError(torch.OutOfMemoryError):
         super().__init__(
             f"RoundPipe: CPU virtual device {device_index} ran out of its `device_memory_bytes={budget_bytes}` at"
             f" {where}: {asked_bytes} bytes asked with {in_use_bytes} in use ({_size(asked_bytes + in_use_bytes)}"
-            f" > {_size(budget_bytes)}). HINT: {hint}"
+            f" > {_size(budget_bytes)}). HINT: {hint} With devices of unequal memory (one `device_memory_bytes`"
+            " entry per device), `dispatch='weighted'` keeps a stage off a device whose budget cannot hold two"
+            " copies of its weights; activations need room beside them, so give a small device a margin or leave it out."
         )
 
     def __reduce__(self):

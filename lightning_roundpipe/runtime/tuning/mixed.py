@@ -273,7 +273,8 @@ def choose_rule(engine: Any, profiles: Sequence[Any]) -> str:
     rule = "weighted" if weighted is not None and (plain is None or weighted < (1 - DISPATCH_MARGIN) * plain) else "round_robin"
     shown = {name: "n/a" if value is None else f"{value * 1e3:.1f} ms" for name, value in (("weighted", weighted),
                                                                                           ("round robin", plain))}
-    gain = "" if None in (plain, weighted) else f", {100 * (1 - weighted / plain):.1f}% faster"
+    gain = ("" if None in (plain, weighted) else f", {100 * (1 - weighted / plain):.1f}% faster" if weighted <= plain
+            else f", {100 * (weighted / plain - 1):.1f}% slower")
     engine.info(f"RoundPipe: dispatch {rule.replace('_', ' ')} for the fixed partition (device speeds"
                 f" {describe_speeds(engine)}): simulated step weighted {shown['weighted']} vs round robin"
                 f" {shown['round robin']}{gain}" + ("" if rule == "weighted" or weighted is None
