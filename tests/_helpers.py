@@ -6,7 +6,7 @@ where the package was never imported.
 
 from __future__ import annotations
 
-import copy
+import threading
 from typing import Any, Callable
 
 import lightning as L
@@ -216,3 +216,28 @@ class SigintAfter(L.Callback):
                 raise RuntimeError(f"{self.signal_name} sent at step {trainer.global_step}; its handler had not run"
                                    f" {self.timeout_s} s later")
             time.sleep(0.001)
+
+
+def hold_devices_until_issued(executor: Any, on_issued: Callable[[Any], None]) -> tuple[threading.Thread, threading.Event]:
+    """Pause every device of ``executor`` until the host has issued the whole of the next program run
+    (every op's ``issued`` flag set, a state, not a time), call ``on_issued(run)`` then, and let the
+    devices go (also when the returned event is set first). Returns the watcher thread and that event."""
+    before = executor.current_run
+    for backend in executor.backends:
+        backend.pause()
+    done = threading.Event()
+
+    def watch() -> None:
+        try:
+            while not done.wait(0.01):
+                run = executor.current_run
+                if run is not None and run is not before and all(f.is_set() for f in run.issued.values()):
+                    on_issued(run)
+                    return
+        finally:
+            for backend in executor.backends:
+                backend.resume()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return watcher, done

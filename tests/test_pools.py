@@ -26,7 +26,8 @@ from lightning_roundpipe.schedule import PlanValidationError
 from lightning_roundpipe.schedule.lower import lower
 from lightning_roundpipe.schedule.program import Op, OpKind, StreamProgram
 from lightning_roundpipe.schedule.roundpipe import build_roundpipe_plan, build_stages, default_stage_ranges
-from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, fit_params, max_diff, params, tiny_hf
+from _helpers import (CausalLMModule, MLPModule, TokenData, VectorData, fit_params, hold_devices_until_issued, max_diff,
+                      params, tiny_hf)
 
 DEVICE_POOLS = ("stage weights", "transfers", "accumulators")
 
@@ -44,26 +45,11 @@ class _HoldOneStep(L.Callback):
         self._watchers: list[tuple[threading.Thread, threading.Event]] = []
 
     def _hold_next_program(self, executor) -> None:
-        before = executor.current_run
-        for backend in executor.backends:
-            backend.pause()
-        done = threading.Event()
+        def record(run) -> None:
+            self.held.append({"ops": len(run.issued), "buffers": [len(b.pool.buffers) for b in executor.backends],
+                              "counters": executor.pool_allocations()})
 
-        def watch() -> None:
-            try:
-                while not done.wait(0.01):
-                    run = executor.current_run
-                    if run is not None and run is not before and all(f.is_set() for f in run.issued.values()):
-                        self.held.append({"ops": len(run.issued), "buffers": [len(b.pool.buffers) for b in executor.backends],
-                                          "counters": executor.pool_allocations()})
-                        return
-            finally:
-                for backend in executor.backends:
-                    backend.resume()
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        self._watchers.append((watcher, done))
+        self._watchers.append(hold_devices_until_issued(executor, record))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         executor = trainer.strategy.engine.executor

@@ -20,7 +20,7 @@ from lightning_roundpipe.runtime.backends import StreamChecker, StreamCheckError
 from lightning_roundpipe.runtime.backends.checker import Access
 from lightning_roundpipe.schedule import PlanValidationError
 from lightning_roundpipe.schedule.program import Op, OpKind, StreamProgram
-from _helpers import CausalLMModule, TokenData, fit_params, max_diff, params, tiny_hf
+from _helpers import CausalLMModule, TokenData, fit_params, hold_devices_until_issued, max_diff, params, tiny_hf
 
 
 # ---------------------------------------------------------------------- the checker alone
@@ -141,25 +141,11 @@ class _IssueWholeStepFirst(L.Callback):
         self.allocations.append([sum(p.allocations for p in b.pools.values()) for b in executor.backends])
         if batch_idx != 1:
             return
-        before = executor.current_run
-        for backend in executor.backends:
-            backend.pause()
-        done = threading.Event()
 
-        def watch() -> None:
-            try:
-                while not done.wait(0.01):
-                    run = executor.current_run
-                    if run is not None and run is not before and all(f.is_set() for f in run.issued.values()):
-                        self.seen = {"ops": len(run.issued), "buffers": [len(b.pool.buffers) for b in executor.backends]}
-                        return
-            finally:
-                for backend in executor.backends:
-                    backend.resume()
+        def record(run) -> None:
+            self.seen = {"ops": len(run.issued), "buffers": [len(b.pool.buffers) for b in executor.backends]}
 
-        self._done = done
-        self._watcher = threading.Thread(target=watch, daemon=True)
-        self._watcher.start()
+        self._watcher, self._done = hold_devices_until_issued(executor, record)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self._watcher is not None:
