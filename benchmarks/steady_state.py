@@ -11,26 +11,33 @@ A Llama-shaped Hugging Face model (random weights, ``--hidden``, ``--layers``) i
 - ``sync-accum4-drained`` / ``sync-accum4``: ``accumulate_grad_batches=4`` without / with the
   overlap of the accumulated batches (seconds per batch).
 
-Two cuts of the model: ``odd`` (3 pipeline stages on 2 devices: the round-robin does not fill the
-devices evenly, the drain leaves one idle) and ``even`` (4 stages). Each mode runs ``--repeats``
-times, modes interleaved, so a shared machine slows all alike. Printed per mode: measured seconds per
+The optimizer is ``torch.optim.AdamW(..., fused=True)`` (``--optimizer``: ``adamw-unfused``, torch's
+default per-tensor loop, or fused ``sgd``). Three cuts of the model: ``one`` (one forward stage, the fused tail, one backward stage: 3 stages
+on 2 devices, so the round robin leaves one device idle through each drain, the largest steady-state
+gain), ``odd`` (2 forward stages: 5 stages, the devices unevenly filled) and ``even`` (3 forward
+stages: 6). Each mode runs ``--repeats`` times, modes interleaved, so a shared machine slows all alike. Printed per mode: measured seconds per
 batch (median of the batch-to-batch times after the profiled steps and ``--warmup`` batches), the
 mean measured bubble (per device, the share of the measured window its compute stream ran no op,
-from the executor's timelines on the host clock), and the strategy's own prediction
-(``roundpipe/predicted_step(s)``, median over the same batches, for the drained modes; the
+from the executor's timelines on the host clock, between the first measured batch's start and the
+last batch's start: the fit's final drain, which no next step fills, is left out), and the
+strategy's own prediction (``roundpipe/predicted_step(s)``, median over the same batches, for the drained modes; the
 simulator's steady-state program, the host's optimizer step at its measured rate included, for
 ``async`` and ``sync-accum4``) with the simulator's mean idle for that mode. ``--verbose`` also
 prints the compute streams' busy seconds per batch and mean op times per kind (CPU contention: the
-overlapped modes leave no bubble for the host's own work). Then the
+overlapped modes leave no bubble for the host's own work). Also per mode: the process's CPU seconds
+per batch (all threads: devices, copies, optimizer, Lightning), the cores they kept busy, and the
+bound they set on this machine (CPU seconds / cores: no schedule runs a batch faster; on CPU
+virtual devices the host's work and the devices' share the cores, on GPUs they do not). Then the
 ratios async / sync and sync-accum4 / sync-accum4-drained, measured and predicted.
 
-Run: ``python benchmarks/steady_state.py [--devices 2] [--layers 8] [--hidden 128] [--seq 128]
-[--batch 12] [--microbatches 4]`` (a few minutes on 2 cores).
+Run: ``python benchmarks/steady_state.py [--devices 2] [--layers 8] [--hidden 256] [--seq 128]
+[--batch 12] [--microbatches 4]`` (about 20 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import warnings
@@ -47,6 +54,7 @@ from lightning_roundpipe.schedule.steady import lower_steady_state
 from lightning_roundpipe.simulate import simulate_program
 from lightning_roundpipe.simulate.steady import DEFAULT_WINDOWS, rotation_windows, simulate_steady_program
 
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 MODES = {
     "sync": (dict(optimizer="sync"), 1),
     "async-drained": (dict(optimizer="async", overlap_batches=False), 1),
@@ -79,8 +87,9 @@ class Module(L.LightningModule):
 
     def configure_optimizers(self):
         if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.model.parameters(), lr=1e-3)
-        return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+            return torch.optim.SGD(self.model.parameters(), lr=1e-3, fused=True)
+        # on the CPU the fused kernel is the fastest AdamW (docs/usage.md); "adamw-unfused": torch's default
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=self.optimizer_name == "adamw")
 
 
 def make_model(args) -> torch.nn.Module:
@@ -105,12 +114,13 @@ def cuts(layers: int) -> dict[str, tuple[list, list]]:
         return [[bounds[i], bounds[i + 1]] for i in range(count)]
 
     backward = [[body, body + 1]] + split(2)[::-1]
-    return {"odd": (split(2) + [[body, body + 1]], backward), "even": (split(3) + [[body, body + 1]], backward)}
+    return {"odd": (split(2) + [[body, body + 1]], backward), "even": (split(3) + [[body, body + 1]], backward),
+            "one": (split(1) + [[body, body + 1]], [[body, body + 1]] + split(1))}
 
 
 class Clock(L.Callback):
     def __init__(self, skip: int, mode: str, accumulate: int, microbatches: int) -> None:
-        self.skip, self.starts, self.predicted = skip, [], []
+        self.skip, self.starts, self.cpu_s, self.predicted = skip, [], [], []
         self.mode, self.accumulate, self.microbatches = mode, accumulate, microbatches
         self.predicted_idle, self.predicted_steady = float("nan"), None
 
@@ -125,6 +135,7 @@ class Clock(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu_s.append(time.process_time())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if len(self.starts) > self.skip:
@@ -133,11 +144,14 @@ class Clock(L.Callback):
                 self.predicted.append(float(value))
 
 
-def busy_idle(timelines: list, num_devices: int) -> float:
-    spans = [(t.origin_s + i.start_s, t.origin_s + i.end_s, i.device_index) for t in timelines for i in t.intervals
-             if i.stream == "compute"]
-    start, end = min(s for s, _, _ in spans), max(e for _, e, _ in spans)
-    return sum(100.0 * (1.0 - sum(e - s for s, e, d in spans if d == device) / (end - start))
+def busy_idle(timelines: list, num_devices: int, window: tuple[float, float]) -> float:
+    """Mean per-device idle % of the compute streams over ``window`` (host ``perf_counter`` seconds:
+    from the first measured batch's start to the last batch's start, so the fit's final drain, which
+    no next step fills, is left out in every mode alike), op intervals clipped to it."""
+    start, end = window
+    spans = [(max(start, t.origin_s + i.start_s), min(end, t.origin_s + i.end_s), i.device_index)
+             for t in timelines for i in t.intervals if i.stream == "compute"]
+    return sum(100.0 * (1.0 - sum(max(0.0, e - s) for s, e, d in spans if d == device) / (end - start))
                for device in range(num_devices)) / num_devices
 
 
@@ -214,7 +228,12 @@ def run(mode: str, cut: tuple[list, list] | dict | None, args, devices: int | No
               f"{sum(d for _, d in ops) / args.batches / accumulate:.4f} s/batch; mean op s "
               + ", ".join(f"{k}={statistics.mean(d for kk, d in ops if kk == k):.4f}x{sum(1 for kk, _ in ops if kk == k)}"
                           for k in kinds))
-    return {"step": per_batch, "idle": busy_idle(timelines, devices), "choice": getattr(clock, "choice", None),
+    # the process's CPU seconds (every thread) per batch over the same window, and the cores they used
+    window_s = clock.starts[-1] - clock.starts[skip]
+    cpu_per_batch = (clock.cpu_s[-1] - clock.cpu_s[skip]) / (len(clock.starts) - 1 - skip)
+    return {"step": per_batch, "idle": busy_idle(timelines, devices, (clock.starts[skip], clock.starts[-1])),
+            "cpu": cpu_per_batch, "cores": (clock.cpu_s[-1] - clock.cpu_s[skip]) / window_s,
+            "choice": getattr(clock, "choice", None),
             "predicted": (clock.predicted_steady if clock.predicted_steady is not None
                           else statistics.median(predicted) if predicted else float("nan")),
             "predicted_idle": clock.predicted_idle}
@@ -224,7 +243,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=12)
     parser.add_argument("--microbatches", type=int, default=4)
@@ -232,8 +251,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    parser.add_argument("--cuts", default="odd,even")
+    parser.add_argument("--optimizer", choices=["adamw", "adamw-unfused", "sgd"], default="adamw")
+    parser.add_argument("--cuts", default="one,odd,even")
     parser.add_argument("--compare-choice", action="store_true",
                         help="on 2 and 3 devices: the automatic choice made for the steady state vs the one made for"
                              " drained steps (the choice before the steady state), both run in the steady state")
@@ -254,7 +273,8 @@ def main() -> None:
         print(f"\n{cut_name} cut: forward {cut[0]} + fused tail, {args.devices} CPU virtual devices, Llama"
               f" {args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq} tokens,"
               f" {args.microbatches} microbatches, {args.optimizer}, {args.repeats} repeats")
-        print(f"{'mode':<21}{'s/batch':>9}{'predicted':>11}{'meas/pred':>11}{'bubble %':>10}{'predicted %':>13}")
+        print(f"{'mode':<21}{'s/batch':>9}{'predicted':>11}{'meas/pred':>11}{'bubble %':>10}{'predicted %':>13}"
+              f"{'CPU s/batch':>13}{'cores used':>12}{'CPU bound':>11}")
         medians = {}
         for mode in modes:
             runs = measured[mode]
@@ -263,7 +283,9 @@ def main() -> None:
             predicted = statistics.median(r["predicted"] for r in runs)
             medians[mode] = (step, predicted)
             p_idle = statistics.median(r["predicted_idle"] for r in runs)
-            print(f"{mode:<21}{step:>9.4f}{predicted:>11.4f}{step / predicted:>11.2f}{idle:>10.1f}{p_idle:>13.1f}")
+            cpu, cores = (statistics.median(r[key] for r in runs) for key in ("cpu", "cores"))
+            print(f"{mode:<21}{step:>9.4f}{predicted:>11.4f}{step / predicted:>11.2f}{idle:>10.1f}{p_idle:>13.1f}"
+                  f"{cpu:>13.4f}{cores:>12.2f}{cpu / CORES:>11.4f}")
         for a, b in (("async", "sync"), ("async", "async-drained"), ("sync-accum4", "sync-accum4-drained")):
             if a in medians and b in medians:
                 print(f"{a} / {b}: {medians[a][0] / medians[b][0]:.3f} (predicted {medians[a][1] / medians[b][1]:.3f})")

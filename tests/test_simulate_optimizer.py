@@ -237,3 +237,40 @@ def test_a_fit_measures_the_host_optimizer_rate_during_the_profiled_steps(mode):
     assert optimizer_mode.measured_optimizer_rate(engine) > 0
     assert optimizer_mode.run_mode(engine) == mode
     assert engine.hardware_model() is None or engine.hardware_model().host_optimizer_bytes_per_s > 0
+
+
+def test_mode_step_follows_the_stage_sizes_between_calls():
+    """``mode_step_s`` (the steady state's step, predicted every step by the metrics callback) keeps
+    the lowered program between calls; a call with other stage byte sizes or another chunk size must
+    not reuse it. Oracle: the pure pipeline (plan, lowering, simulator) run directly on the sizes."""
+    from lightning_roundpipe.simulate.steady import DEFAULT_WINDOWS, rotation_windows
+
+    stages, profiles = _equal_stages(3)
+    hardware = HardwareModel(flops_per_s=1e12, h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6)
+    sizes = {"bytes_per_layer": 100_000}
+    store = types.SimpleNamespace(stage_bytes=lambda layers: sizes["bytes_per_layer"] * len(layers),
+                                  stage_grad_bytes=lambda layers: 2 * sizes["bytes_per_layer"] * len(layers))
+    engine = types.SimpleNamespace(backends=[0, 1], store=store, chunk_bytes=64 << 20, optimizer_mode="async",
+                                   overlaps_steps=True, hardware_model=lambda: hardware,
+                                   microbatch_weights=lambda n: None)
+    windows, first = DEFAULT_WINDOWS["async"]
+    windows = first + 1 + rotation_windows(len(stages), 2, 1)
+
+    def direct() -> float:
+        plan = build_steady_state_plan(stages, 2, 4, windows, optimizer="async", validate=False)
+        program = lower_steady_state(
+            plan, stage_weight_bytes=[store.stage_bytes(s.layers) for s in plan.stages],
+            stage_grad_bytes=[store.stage_grad_bytes(s.layers) if s.kind == "backward" else 0 for s in plan.stages],
+            chunk_bytes=engine.chunk_bytes, validate=False)
+        return simulate_steady_program(program, profiles, hardware, optimizer_step_s=0.0,
+                                       measure_from_window=first).step_s
+
+    seen = []
+    for bytes_per_layer, chunk_bytes in ((100_000, 64 << 20), (50_000_000, 64 << 20), (50_000_000, 1 << 20),
+                                         (100_000, 64 << 20)):
+        sizes["bytes_per_layer"], engine.chunk_bytes = bytes_per_layer, chunk_bytes
+        step_s = optimizer_mode.mode_step_s(engine, 0.0, stages, profiles, None, 4)
+        assert step_s == pytest.approx(direct(), rel=1e-12)
+        seen.append(step_s)
+    assert seen[1] > seen[0]  # 50 MB a layer on a 1 MB/s link: the uploads set the pace
+    assert seen[3] == seen[0]

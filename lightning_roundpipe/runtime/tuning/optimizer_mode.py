@@ -16,6 +16,7 @@ torch optimizers. No Lightning.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Any, Iterable
 
@@ -135,8 +136,6 @@ def mode_step_s(engine: Any, drained_s: float, fused_stages: Any, profiles: Any,
     """
     if fused_stages is None or not steps_overlap(engine):
         return step_with_optimizer_s(engine, drained_s)
-    from lightning_roundpipe.schedule.roundpipe import build_steady_state_plan
-    from lightning_roundpipe.schedule.steady import lower_steady_state
     from lightning_roundpipe.simulate.steady import DEFAULT_WINDOWS, rotation_windows, simulate_steady_program
 
     mode = run_mode(engine)
@@ -144,15 +143,33 @@ def mode_step_s(engine: Any, drained_s: float, fused_stages: Any, profiles: Any,
     if mode == "async":
         rounds = -(-num_microbatches // (microbatches_per_round or num_microbatches))
         windows = first + 1 + rotation_windows(len(fused_stages), len(engine.backends), rounds)
-    plan = build_steady_state_plan(fused_stages, len(engine.backends), num_microbatches, windows, optimizer=mode,
-                                   microbatches_per_round=microbatches_per_round, validate=False, dispatch=dispatch)
-    program = lower_steady_state(
-        plan, stage_weight_bytes=[engine.store.stage_bytes(s.layers) for s in plan.stages],
-        stage_grad_bytes=[engine.store.stage_grad_bytes(s.layers) if s.kind == "backward" else 0 for s in plan.stages],
-        chunk_bytes=engine.chunk_bytes, validate=False)
+    program = _steady_program(
+        tuple(fused_stages), len(engine.backends), num_microbatches, windows, mode, microbatches_per_round, dispatch,
+        tuple((s.layers, engine.store.stage_bytes(s.layers), engine.store.stage_grad_bytes(s.layers))
+              for s in fused_stages), engine.chunk_bytes)
     return simulate_steady_program(program, profiles, engine.hardware_model(),
                                    optimizer_step_s=predicted_optimizer_s(engine) or 0.0, measure_from_window=first,
                                    microbatch_weights=engine.microbatch_weights(num_microbatches)).step_s
+
+
+@functools.lru_cache(maxsize=32)
+def _steady_program(fused_stages: tuple, num_devices: int, num_microbatches: int, windows: int, mode: str,
+                    microbatches_per_round: int | None, dispatch: Any, stage_sizes: tuple[tuple[range, int, int], ...],
+                    chunk_bytes: int) -> Any:
+    """The lowered steady-state program of :func:`mode_step_s` (pure, so cached: the metrics callback
+    predicts every step, and lowering a program of several iterations costs milliseconds of Python
+    that, on CPU virtual devices, the devices' own threads wait for). ``stage_sizes``: per stage,
+    (layers, weight bytes, gradient bytes)."""
+    from lightning_roundpipe.schedule.roundpipe import build_steady_state_plan
+    from lightning_roundpipe.schedule.steady import lower_steady_state
+
+    plan = build_steady_state_plan(list(fused_stages), num_devices, num_microbatches, windows, optimizer=mode,
+                                   microbatches_per_round=microbatches_per_round, validate=False, dispatch=dispatch)
+    sizes = {layers: (weight, grad) for layers, weight, grad in stage_sizes}
+    return lower_steady_state(
+        plan, stage_weight_bytes=[sizes[s.layers][0] for s in plan.stages],
+        stage_grad_bytes=[sizes[s.layers][1] if s.kind == "backward" else 0 for s in plan.stages],
+        chunk_bytes=chunk_bytes, validate=False)
 
 
 def predicted_run_step_s(engine: Any, programs: Any, measured_optimizer_s: float | None = None) -> float | None:
