@@ -31,7 +31,7 @@ virtual devices the host's work and the devices' share the cores, on GPUs they d
 ratios async / sync and sync-accum4 / sync-accum4-drained, measured and predicted.
 
 Run: ``python benchmarks/steady_state.py [--devices 2] [--layers 8] [--hidden 256] [--seq 128]
-[--batch 12] [--microbatches 4]`` (about 20 minutes on 2 cores).
+[--batch 12] [--microbatches 4]`` (about 30 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -132,6 +132,7 @@ class Clock(L.Callback):
             microbatches_per_round=choice.microbatches_per_round, num_microbatches=choice.num_microbatches)
         self.predicted_steady, self.predicted_idle = predicted_idle(trainer.strategy.engine, self.mode, self.accumulate,
                                                                     self.microbatches)
+        self.optimizer_samples = [seconds for _, seconds in getattr(trainer.strategy.engine, "_optimizer_samples", [])]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
@@ -225,9 +226,10 @@ def run(mode: str, cut: tuple[list, list] | dict | None, args, devices: int | No
         ops = [(i.kind, i.end_s - i.start_s) for t in timelines for i in t.intervals if i.stream == "compute"]
         kinds = sorted({k for k, _ in ops})
         print(f"  {mode}: {len(timelines)} timelines, compute busy "
-              f"{sum(d for _, d in ops) / args.batches / accumulate:.4f} s/batch; mean op s "
+              f"{sum(d for _, d in ops) / max(1, len(timelines)):.4f} s/batch; mean op s "
               + ", ".join(f"{k}={statistics.mean(d for kk, d in ops if kk == k):.4f}x{sum(1 for kk, _ in ops if kk == k)}"
-                          for k in kinds))
+                          for k in kinds)
+              + f"; optimizer steps measured while profiling (s): {[round(v, 4) for v in clock.optimizer_samples]}")
     # the process's CPU seconds (every thread) per batch over the same window, and the cores they used
     window_s = clock.starts[-1] - clock.starts[skip]
     cpu_per_batch = (clock.cpu_s[-1] - clock.cpu_s[skip]) / (len(clock.starts) - 1 - skip)
@@ -249,7 +251,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batches", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--optimizer", choices=["adamw", "adamw-unfused", "sgd"], default="adamw")
     parser.add_argument("--cuts", default="one,odd,even")
