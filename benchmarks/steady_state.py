@@ -31,7 +31,7 @@ virtual devices the host's work and the devices' share the cores, on GPUs they d
 ratios async / sync and sync-accum4 / sync-accum4-drained, measured and predicted.
 
 Run: ``python benchmarks/steady_state.py [--devices 2] [--layers 8] [--hidden 256] [--seq 128]
-[--batch 12] [--microbatches 4]`` (about 30 minutes on 2 cores).
+[--batch 12] [--microbatches 4]`` (about 20 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -258,6 +258,7 @@ def main() -> None:
     parser.add_argument("--compare-choice", action="store_true",
                         help="on 2 and 3 devices: the automatic choice made for the steady state vs the one made for"
                              " drained steps (the choice before the steady state), both run in the steady state")
+    parser.add_argument("--compare-devices", default="2,3", help="device counts of --compare-choice")
     parser.add_argument("--verbose", action="store_true", help="per mode: compute busy seconds and mean op times")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -297,7 +298,7 @@ def compare_choice(args) -> None:
     """``partition="auto"`` in ``async``: the plan chosen for the steady state (this run) against the
     plan the same automatic choice makes for drained steps (``overlap_batches=False``), the latter
     re-run in the steady state with that plan given explicitly; on 2 and 3 devices."""
-    for devices in (2, 3):
+    for devices in (int(d) for d in args.compare_devices.split(",")):
         old, new, old_in_steady = [], [], []
         for _ in range(args.repeats):
             drained = run("async-drained", None, args, devices)
@@ -305,9 +306,11 @@ def compare_choice(args) -> None:
             old_in_steady.append(run("async", drained["choice"], args, devices))
             old.append(drained)
         now, before = statistics.median(r["step"] for r in new), statistics.median(r["step"] for r in old_in_steady)
+        predicted_now, predicted_before = (statistics.median(r["predicted"] for r in runs) for runs in (new, old_in_steady))
         print(f"\n{devices} devices, automatic choice, async steady state: chosen for the steady state {now:.4f} s/batch"
-              f" ({new[-1]['choice']}); chosen for drained steps {before:.4f} s/batch ({old[-1]['choice']});"
-              f" ratio {now / before:.3f}")
+              f" (predicted {predicted_now:.4f}; {new[-1]['choice']}); chosen for drained steps {before:.4f} s/batch"
+              f" (predicted {predicted_before:.4f}; {old[-1]['choice']}); ratio {now / before:.3f}"
+              f" (predicted {predicted_now / predicted_before:.3f}); {CORES} cores")
 
 
 if __name__ == "__main__":

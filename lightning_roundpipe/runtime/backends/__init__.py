@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Sequence
 
 import torch
@@ -57,6 +59,24 @@ def smallest_stage_budget(device_memory_bytes: int | Sequence[int] | None) -> in
     return (device_memory_bytes if isinstance(device_memory_bytes, int) else min(device_memory_bytes)) // 2
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one, else all)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def warn_if_oversubscribed(num_devices: int) -> None:
+    """Warn when CPU virtual devices outnumber the usable cores: each device's compute thread runs one
+    intra-op thread and needs a core of its own, while the prediction (``roundpipe/predicted_step(s)``)
+    and the automatic partition take the devices to run in parallel."""
+    cores = usable_cores()
+    if num_devices > cores:
+        warnings.warn(
+            f"RoundPipe: {num_devices} CPU virtual devices on {cores} usable core(s): the devices' compute threads share"
+            " cores, so steps run slower than `roundpipe/predicted_step(s)`, and the automatic partition, which takes the"
+            " devices to run in parallel, may not pick the plan that is fastest on this machine. HINT: use at most"
+            f" {cores} CPU virtual devices (`Trainer(accelerator='cpu', devices={cores})`), or GPUs.", stacklevel=3)
+
+
 def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float | None = None,
                   debug_copy_delay_s: float = 0.0, device_memory_bytes: int | Sequence[int] | None = None,
                   check_streams: bool | None = None) -> list[Backend]:
@@ -96,6 +116,7 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
     budgets = per_device_bytes(device_memory_bytes, len(devices))
     kind = devices[0].type if devices else "cpu"
     if kind == "cpu":
+        warn_if_oversubscribed(len(devices))
         checker = StreamChecker() if (checking_default() if check_streams is None else check_streams) else None
         return [CpuBackend(i, cpu_link_bytes_per_s, debug_copy_delay_s, budgets[i], checker)
                 for i in range(len(devices))]
