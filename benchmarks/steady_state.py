@@ -161,14 +161,18 @@ def predicted_idle(engine, mode: str, accumulate: int, microbatches: int) -> tup
     overlapped modes (the host's ``OPT`` at the measured optimizer rate), the drained program's idle
     (seconds ``None``: the strategy's own ``roundpipe/predicted_step(s)`` is used) otherwise."""
     stages, devices = engine.fused_stages, len(engine.backends)
+    microbatches = engine.split_num_microbatches or microbatches  # the automatic choice's finer cut, if any
+    per_round = engine.microbatches_per_round
     weights = engine.microbatch_weights(microbatches)
     if mode in ("async", "sync-accum4"):
         optimizer = "async" if mode == "async" else "sync"
         windows, first = DEFAULT_WINDOWS[optimizer]
         if optimizer == "async":
-            windows = first + 1 + rotation_windows(len(stages), devices, 1)
+            rounds = -(-microbatches // (per_round or microbatches))
+            windows = first + 1 + rotation_windows(len(stages), devices, rounds)
         plan = build_steady_state_plan(stages, devices, microbatches, windows * accumulate, optimizer=optimizer,
-                                       accumulate_grad_batches=accumulate, validate=False)
+                                       accumulate_grad_batches=accumulate, microbatches_per_round=per_round,
+                                       validate=False)
         program = lower_steady_state(
             plan, stage_weight_bytes=[engine.store.stage_bytes(s.layers) for s in plan.stages],
             stage_grad_bytes=[engine.store.stage_grad_bytes(s.layers) if s.kind == "backward" else 0

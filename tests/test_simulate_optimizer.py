@@ -63,9 +63,12 @@ def test_async_steady_state_matches_the_formula(devices, stages_count, extra_mic
     inside an iteration, ``C`` after slot ``j - 1`` started. With ``M >= D`` the devices bind:
     slots start ``M C`` apart per row of ``D``, ``S M C / D`` per iteration, no device idle. The
     one-step-stale weights add one constraint: iteration ``k + 2`` starts after iteration ``k``
-    ends, ``(S - 1) C + M C`` after it started, so at most two iterations are in flight:
+    ends, ``(S - 1) C + M C`` after it started, so at most two iterations are in flight. The host's
+    issue order adds another: Lightning calls step ``k + 1`` once step ``k``'s loss is back, so
+    iteration ``k + 1`` starts after iteration ``k``'s fused tail (slot ``f`` of it: ``f = 0`` for
+    the whole model as one stage, else ``f = 1``) ends, ``f C + M C`` after iteration ``k`` started:
 
-        period = C x max(S M / D, (S - 1 + M) / 2),   idle = 1 - S M C / (D x period).
+        period = C x max(S M / D, (S - 1 + M) / 2, f + M),   idle = 1 - S M C / (D x period).
 
     Measured over whole rotations (``n`` iterations with ``n S`` a multiple of ``D``, ``n`` even),
     from window 3 (after the fill).
@@ -76,7 +79,9 @@ def test_async_steady_state_matches_the_formula(devices, stages_count, extra_mic
     measured = rotation * 2 // math.gcd(rotation, 2)
     program = _program(stages, devices, microbatches, 3 + measured + 1, "async")
     result = simulate_steady_program(program, profiles, None, optimizer_step_s=0.0, measure_from_window=3)
-    period = C * max(stages_count * microbatches / devices, (stages_count - 1 + microbatches) / 2)
+    before_tail = 0 if stages_count == 1 else 1
+    period = C * max(stages_count * microbatches / devices, (stages_count - 1 + microbatches) / 2,
+                     before_tail + microbatches)
     assert result.step_s == pytest.approx(period, rel=1e-12)
     idle = 100 * (1 - stages_count * microbatches * C / (devices * period))
     assert result.mean_idle_pct == pytest.approx(idle, abs=1e-9)
@@ -87,14 +92,27 @@ def test_async_steady_state_matches_the_formula(devices, stages_count, extra_mic
 @pytest.mark.parametrize("stages_count", [3, 5, 9])
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_sync_step_is_one_pipeline_plus_the_optimizer(devices, stages_count, accumulate):
-    """Sync, ``M = D + 1``: within a window of ``A`` iterations the slots follow the rows of the
-    formula above, ``start(j) = floor(j / D) M C + (j mod D) C``; the window's last slot ``A S - 1``
-    ends ``M C`` after its start; then the optimizer step (``OPT`` seconds), and only then does the
-    next window upload anything: period per window ``start(A S - 1) + M C + OPT``."""
+    """Sync, ``M = D + 1``: within a window of ``A`` iterations slot ``j`` (stage ``s = j mod S`` of
+    iteration ``k = j div S``, on device ``j mod D``) starts at the latest of: ``C`` after slot
+    ``j - 1`` started (``s > 0``), ``M C`` after slot ``j - D`` started (its device), and, for
+    ``s = 0``, ``M C`` after the previous iteration's fused tail (slot ``(k - 1) S + 1``) started
+    (the host issues step ``k`` once step ``k - 1``'s loss is back). The window ends ``M C`` after
+    its last slot starts; then the optimizer step (``OPT`` seconds), and only then does the next
+    window upload anything: period per window ``start(A S - 1) + M C + OPT``."""
     microbatches, opt_s = devices + 1, 7.5
     stages, profiles = _equal_stages(stages_count)
-    last = accumulate * stages_count - 1
-    window = (last // devices) * microbatches * C + (last % devices) * C + microbatches * C + opt_s
+    starts: list[float] = []
+    for j in range(accumulate * stages_count):
+        iteration, stage = divmod(j, stages_count)
+        earliest = [0.0]
+        if stage:
+            earliest.append(starts[j - 1] + C)
+        if j >= devices:
+            earliest.append(starts[j - devices] + microbatches * C)
+        if stage == 0 and iteration:
+            earliest.append(starts[(iteration - 1) * stages_count + 1] + microbatches * C)
+        starts.append(max(earliest))
+    window = starts[-1] + microbatches * C + opt_s
     for windows in (1, 3):  # one window measured to its optimizer step's end = two measured start to start
         program = _program(stages, devices, microbatches, windows, "sync", accumulate)
         result = simulate_steady_program(program, profiles, None, optimizer_step_s=opt_s, measure_from_window=0)
@@ -250,7 +268,8 @@ def test_mode_step_follows_the_stage_sizes_between_calls():
     sizes = {"bytes_per_layer": 100_000}
     store = types.SimpleNamespace(stage_bytes=lambda layers: sizes["bytes_per_layer"] * len(layers),
                                   stage_grad_bytes=lambda layers: 2 * sizes["bytes_per_layer"] * len(layers))
-    engine = types.SimpleNamespace(backends=[0, 1], store=store, chunk_bytes=64 << 20, optimizer_mode="async",
+    gpu = types.SimpleNamespace(is_cuda=True)  # no cores shared: the oracle below simulates none
+    engine = types.SimpleNamespace(backends=[gpu, gpu], store=store, chunk_bytes=64 << 20, optimizer_mode="async",
                                    overlaps_steps=True, hardware_model=lambda: hardware,
                                    microbatch_weights=lambda n: None)
     windows, first = DEFAULT_WINDOWS["async"]

@@ -13,7 +13,11 @@ the rules of the run's mode (:class:`~lightning_roundpipe.schedule.roundpipe.Ste
 - ``sync`` (Lightning's exact semantics): every upload (``LOAD`` chunk, ``H2D``, ``GH2D``) of an
   iteration of window ``w`` waits for ``OPT w - 1``, so nothing of the window starts before the
   previous optimizer step ends; inside a window (``accumulate_grad_batches > 1``) the weights do not
-  change and iteration ``i + 1``'s forward stages run during iteration ``i``'s backward.
+  change and iteration ``i + 1``'s forward stages run during iteration ``i``'s backward;
+- both modes, the host's issue order: Lightning calls the next ``training_step`` once the fused
+  forward has returned this one's loss, so the first op of iteration ``i + 1`` on every device
+  stream waits for every fused-tail op (``X``) of iteration ``i`` (a plan whose fused tail ends
+  its iteration, such as the whole model as one stage, gets no overlap from the steady state).
 
 The runtime runs the device streams as it runs any program and the optimizer step where the host
 queue puts it; the simulator (:mod:`lightning_roundpipe.simulate.steady`) times both.
@@ -230,8 +234,8 @@ def lower_steady_state(
     if not isinstance(spec, SteadyState):
         raise ValueError("`plan` is not a steady-state plan (no `_meta['steady_state']`). HINT: build it with"
                          " `build_steady_state_plan(stages, num_devices, num_microbatches, num_iterations, optimizer=...)`.")
-    program = lower(plan, stage_weight_bytes=stage_weight_bytes, stage_grad_bytes=stage_grad_bytes,
-                    chunk_bytes=chunk_bytes, recompute=recompute, validate=validate)
+    program = _with_issue_edges(lower(plan, stage_weight_bytes=stage_weight_bytes, stage_grad_bytes=stage_grad_bytes,
+                                      chunk_bytes=chunk_bytes, recompute=recompute, validate=validate), spec)
     steps = tuple(OptimizerOp(i) for i in range(spec.num_steps))
     deps: dict[OptimizerOp, list[Op]] = {op: [] for op in steps}
     draft = SteadyStateProgram(program, spec, steps, {}, {})
@@ -248,3 +252,24 @@ def lower_steady_state(
                 waits[op] = steps[step]
     result = SteadyStateProgram(program, spec, steps, {op: tuple(ds) for op, ds in deps.items()}, waits)
     return result.validate() if validate else result
+
+
+def _with_issue_edges(program: StreamProgram, spec: SteadyState) -> StreamProgram:
+    """``program`` with the host's issue order (module docstring): on every device stream, the first
+    op of a newer iteration waits for every ``X`` op of the iteration before it."""
+    tails: dict[int, list[Op]] = {}
+    for _, _, _, op in program.ops():
+        if op.kind is OpKind.X:
+            tails.setdefault(spec.iteration_of(op.microbatch_index), []).append(op)
+    if not tails:
+        return program
+    deps = dict(program.deps)
+    for per_stream in program.streams:
+        for ops in per_stream.values():
+            newest = 0
+            for op in ops:
+                iteration = op_iteration(program, op, spec)
+                if iteration > newest:
+                    newest = iteration
+                    deps[op] = tuple(deps.get(op, ())) + tuple(tails.get(iteration - 1, ()))
+    return StreamProgram(program.plan, program.streams, deps, program.chunk_bytes, program.recompute)
