@@ -48,11 +48,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_roundpipe
 from lightning_roundpipe.runtime.execution.executor import Executor
-from lightning_roundpipe.runtime.tuning.optimizer_mode import predicted_optimizer_s
-from lightning_roundpipe.schedule.roundpipe import build_steady_state_plan
-from lightning_roundpipe.schedule.steady import lower_steady_state
+from lightning_roundpipe.runtime.tuning.optimizer_mode import predicted_optimizer_s, steady_state_prediction
 from lightning_roundpipe.simulate import simulate_program
-from lightning_roundpipe.simulate.steady import DEFAULT_WINDOWS, rotation_windows, simulate_steady_program
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 MODES = {
@@ -132,6 +129,7 @@ class Clock(L.Callback):
             microbatches_per_round=choice.microbatches_per_round, num_microbatches=choice.num_microbatches)
         self.predicted_steady, self.predicted_idle = predicted_idle(trainer.strategy.engine, self.mode, self.accumulate,
                                                                     self.microbatches)
+        self.predicted_drained = predicted_drained(trainer.strategy.engine, self.mode, self.accumulate, self.microbatches)
         self.optimizer_samples = [seconds for _, seconds in getattr(trainer.strategy.engine, "_optimizer_samples", [])]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -160,30 +158,29 @@ def predicted_idle(engine, mode: str, accumulate: int, microbatches: int) -> tup
     """The simulator's (seconds per batch, mean idle %) for the mode: the steady-state program for the
     overlapped modes (the host's ``OPT`` at the measured optimizer rate), the drained program's idle
     (seconds ``None``: the strategy's own ``roundpipe/predicted_step(s)`` is used) otherwise."""
-    stages, devices = engine.fused_stages, len(engine.backends)
     microbatches = engine.split_num_microbatches or microbatches  # the automatic choice's finer cut, if any
-    per_round = engine.microbatches_per_round
-    weights = engine.microbatch_weights(microbatches)
     if mode in ("async", "sync-accum4"):
-        optimizer = "async" if mode == "async" else "sync"
-        windows, first = DEFAULT_WINDOWS[optimizer]
-        if optimizer == "async":
-            rounds = -(-microbatches // (per_round or microbatches))
-            windows = first + 1 + rotation_windows(len(stages), devices, rounds)
-        plan = build_steady_state_plan(stages, devices, microbatches, windows * accumulate, optimizer=optimizer,
-                                       accumulate_grad_batches=accumulate, microbatches_per_round=per_round,
-                                       validate=False)
-        program = lower_steady_state(
-            plan, stage_weight_bytes=[engine.store.stage_bytes(s.layers) for s in plan.stages],
-            stage_grad_bytes=[engine.store.stage_grad_bytes(s.layers) if s.kind == "backward" else 0
-                              for s in plan.stages], chunk_bytes=engine.chunk_bytes, validate=False)
-        steady = simulate_steady_program(program, engine.measured_profiles, engine.hardware_model(),
-                                         optimizer_step_s=predicted_optimizer_s(engine) or 0.0,
-                                         measure_from_window=first, microbatch_weights=weights)
+        steady = steady_state_prediction(engine, engine.fused_stages, engine.measured_profiles,
+                                         engine.microbatches_per_round, microbatches,
+                                         mode="async" if mode == "async" else "sync",
+                                         accumulate_grad_batches=accumulate)
         return steady.step_s, steady.mean_idle_pct
     program = engine.program(microbatches, 0, fused=True)
     return None, simulate_program(program, engine.measured_profiles, engine.hardware_model(),
-                                  microbatch_weights=weights).mean_idle_pct
+                                  microbatch_weights=engine.microbatch_weights(microbatches)).mean_idle_pct
+
+
+def predicted_drained(engine, mode: str, accumulate: int, microbatches: int) -> float:
+    """The simulator's seconds per batch of the same run drained every batch, from this run's own
+    layer profiles and optimizer rate: async, ``max(pipeline, OPT)``; sync, ``pipeline + OPT /
+    accumulate``. Beside the overlapped run's prediction, the gain the simulator sees with one
+    set of profiles (each run profiles its own layers, under its own contention for the cores)."""
+    microbatches = engine.split_num_microbatches or microbatches
+    program = engine.program(microbatches, 0, fused=True)
+    pipeline = simulate_program(program, engine.measured_profiles, engine.hardware_model(),
+                                microbatch_weights=engine.microbatch_weights(microbatches)).iteration_s
+    optimizer_s = predicted_optimizer_s(engine) or 0.0
+    return max(pipeline, optimizer_s) if mode.startswith("async") else pipeline + optimizer_s / accumulate
 
 
 def run(mode: str, cut: tuple[list, list] | dict | None, args, devices: int | None = None) -> dict:
@@ -242,7 +239,7 @@ def run(mode: str, cut: tuple[list, list] | dict | None, args, devices: int | No
             "choice": getattr(clock, "choice", None),
             "predicted": (clock.predicted_steady if clock.predicted_steady is not None
                           else statistics.median(predicted) if predicted else float("nan")),
-            "predicted_idle": clock.predicted_idle}
+            "predicted_idle": clock.predicted_idle, "predicted_drained": clock.predicted_drained}
 
 
 def main() -> None:
@@ -288,7 +285,7 @@ def main() -> None:
             step = statistics.median(r["step"] for r in runs)
             idle = statistics.median(r["idle"] for r in runs)
             predicted = statistics.median(r["predicted"] for r in runs)
-            medians[mode] = (step, predicted)
+            medians[mode] = (step, predicted, statistics.median(r["predicted_drained"] for r in runs))
             p_idle = statistics.median(r["predicted_idle"] for r in runs)
             cpu, cores = (statistics.median(r[key] for r in runs) for key in ("cpu", "cores"))
             print(f"{mode:<21}{step:>9.4f}{predicted:>11.4f}{step / predicted:>11.2f}{idle:>10.1f}{p_idle:>13.1f}"
@@ -296,6 +293,9 @@ def main() -> None:
         for a, b in (("async", "sync"), ("async", "async-drained"), ("sync-accum4", "sync-accum4-drained")):
             if a in medians and b in medians:
                 print(f"{a} / {b}: {medians[a][0] / medians[b][0]:.3f} (predicted {medians[a][1] / medians[b][1]:.3f})")
+        for a in ("async", "sync-accum4"):  # the same profiles: the overlapped run's, drained and overlapped
+            if a in medians:
+                print(f"{a}, its own profiles: overlapped / drained predicted {medians[a][1] / medians[a][2]:.3f}")
 
 
 def compare_choice(args) -> None:

@@ -293,3 +293,38 @@ def test_mode_step_follows_the_stage_sizes_between_calls():
         seen.append(step_s)
     assert seen[1] > seen[0]  # 50 MB a layer on a 1 MB/s link: the uploads set the pace
     assert seen[3] == seen[0]
+
+
+def test_steady_state_prediction_with_accumulation_is_the_pure_pipeline():
+    """``steady_state_prediction`` (the benchmark's and ``mode_step_s``'s helper) in sync mode with
+    ``accumulate_grad_batches=4``: the same result as the pure pipeline run directly (plan of 4
+    batches to one optimizer step, lowering, simulator); a larger per-batch step without the
+    accumulation (the drain before every optimizer step); bad input raises."""
+    stages, profiles = _equal_stages(3)
+    hardware = HardwareModel(flops_per_s=1e12, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+    store = types.SimpleNamespace(stage_bytes=lambda layers: 1000 * len(layers),
+                                  stage_grad_bytes=lambda layers: 2000 * len(layers))
+    gpu = types.SimpleNamespace(is_cuda=True)
+    engine = types.SimpleNamespace(backends=[gpu, gpu], store=store, chunk_bytes=64 << 20, optimizer_mode="async",
+                                   overlaps_steps=True, hardware_model=lambda: hardware,
+                                   microbatch_weights=lambda n: None)
+
+    def direct(accumulate: int) -> tuple[float, float]:
+        plan = build_steady_state_plan(stages, 2, 4, accumulate, optimizer="sync", accumulate_grad_batches=accumulate,
+                                       validate=False)
+        program = lower_steady_state(
+            plan, stage_weight_bytes=[store.stage_bytes(s.layers) for s in plan.stages],
+            stage_grad_bytes=[store.stage_grad_bytes(s.layers) if s.kind == "backward" else 0 for s in plan.stages],
+            chunk_bytes=engine.chunk_bytes, validate=False)
+        result = simulate_steady_program(program, profiles, hardware, optimizer_step_s=0.0, measure_from_window=0)
+        return result.step_s, result.mean_idle_pct
+
+    for accumulate in (1, 4):
+        result = optimizer_mode.steady_state_prediction(engine, stages, profiles, None, 4, mode="sync",
+                                                        accumulate_grad_batches=accumulate)
+        assert (result.step_s, result.mean_idle_pct) == pytest.approx(direct(accumulate), rel=1e-12)
+    assert direct(4)[0] < direct(1)[0]
+    with pytest.raises(ValueError, match="`mode`"):
+        optimizer_mode.steady_state_prediction(engine, stages, profiles, None, 4, mode="stale")
+    with pytest.raises(ValueError, match="`accumulate_grad_batches`"):
+        optimizer_mode.steady_state_prediction(engine, stages, profiles, None, 4, accumulate_grad_batches=0)

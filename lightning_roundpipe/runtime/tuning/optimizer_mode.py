@@ -23,7 +23,8 @@ from typing import Any, Iterable
 import torch
 
 __all__ = ["measured_optimizer_rate", "mode_step_s", "optimizer_state_bytes", "predicted_optimizer_s",
-           "predicted_run_step_s", "record_optimizer_step", "run_mode", "step_with_optimizer_s", "steps_overlap"]
+           "predicted_run_step_s", "record_optimizer_step", "run_mode", "steady_state_prediction", "step_with_optimizer_s",
+           "steps_overlap"]
 
 #: Profiled steps kept (the first is dropped: it creates the optimizer state).
 MAX_SAMPLES = 16
@@ -126,44 +127,83 @@ def mode_step_s(engine: Any, drained_s: float, fused_stages: Any, profiles: Any,
     """Seconds of one step in the run's own mode, for the automatic choice.
 
     An engine that runs the steady state (:func:`steps_overlap`), on the fused path
-    (``fused_stages``, else ``None``): the simulator on the steady-state program of the run's mode
-    (:func:`~lightning_roundpipe.schedule.roundpipe.build_steady_state_plan`, lowered with the
-    engine's byte sizes and chunks; the host's ``OPT`` op of :func:`predicted_optimizer_s` seconds,
-    0 before the rate is measured). Otherwise the drained step ``drained_s`` (the simulator's time
-    of the programs one step runs) with the optimizer step (:func:`step_with_optimizer_s`).
-    ``dispatch``: the plans' :class:`~lightning_roundpipe.schedule.dispatch.DispatchPolicy` (``None``:
-    the round robin on equal devices).
+    (``fused_stages``, else ``None``): the steady-state program's step
+    (:func:`steady_state_prediction` in the run's mode). Otherwise the drained step ``drained_s``
+    (the simulator's time of the programs one step runs) with the optimizer step
+    (:func:`step_with_optimizer_s`). ``dispatch``: the plans'
+    :class:`~lightning_roundpipe.schedule.dispatch.DispatchPolicy` (``None``: the round robin on
+    equal devices).
     """
     if fused_stages is None or not steps_overlap(engine):
         return step_with_optimizer_s(engine, drained_s)
+    return steady_state_prediction(engine, fused_stages, profiles, microbatches_per_round, num_microbatches,
+                                   dispatch=dispatch).step_s
+
+
+def steady_state_prediction(engine: Any, fused_stages: Any, profiles: Any, microbatches_per_round: int | None,
+                            num_microbatches: int, *, mode: str | None = None, accumulate_grad_batches: int = 1,
+                            dispatch: Any = None) -> Any:
+    """The simulator's whole steady-state result for the engine's fused stages (DESIGN.md section 11).
+
+    The steady-state program of ``mode``
+    (:func:`~lightning_roundpipe.schedule.roundpipe.build_steady_state_plan`, lowered with the
+    engine's byte sizes and chunks), simulated with the host's ``OPT`` op of
+    :func:`predicted_optimizer_s` seconds (0 before the rate is measured). Windows: sync, one
+    optimizer step (``accumulate_grad_batches`` batches); async, from window 2 over the round
+    robin's rotations (:func:`~lightning_roundpipe.simulate.steady.rotation_windows`).
+
+    Args:
+        engine: the engine (its devices, store, chunk size, microbatch weights, hardware model).
+        fused_stages: the fused path's stages, in plan order.
+        profiles: the layers' measured profiles.
+        microbatches_per_round: rounds of at most this many microbatches (``None``: one round).
+        num_microbatches: microbatches per batch.
+        mode: ``"sync"`` or ``"async"`` (``None``: the run's, :func:`run_mode`).
+        accumulate_grad_batches: batches per optimizer step (>= 1).
+        dispatch: the plans' dispatch policy (``None``: the round robin on equal devices).
+
+    Returns:
+        The :class:`~lightning_roundpipe.simulate.steady.TrainingPrediction`: ``step_s`` (seconds
+        per batch) and ``mean_idle_pct`` (%) over the measured windows, among others.
+
+    Raises:
+        ValueError: ``mode`` is not ``"sync"`` or ``"async"``, or ``accumulate_grad_batches`` < 1.
+    """
     from lightning_roundpipe.simulate.steady import DEFAULT_WINDOWS, rotation_windows, simulate_steady_program
 
-    mode = run_mode(engine)
+    mode = run_mode(engine) if mode is None else mode
+    if mode not in DEFAULT_WINDOWS:
+        raise ValueError(f"`mode` must be one of {sorted(DEFAULT_WINDOWS)}, got {mode!r}.")
+    if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
+        raise ValueError(f"`accumulate_grad_batches` must be an int >= 1, got {accumulate_grad_batches!r}.")
     windows, first = DEFAULT_WINDOWS[mode]
     if mode == "async":
         rounds = -(-num_microbatches // (microbatches_per_round or num_microbatches))
         windows = first + 1 + rotation_windows(len(fused_stages), len(engine.backends), rounds)
     program = _steady_program(
-        tuple(fused_stages), len(engine.backends), num_microbatches, windows, mode, microbatches_per_round, dispatch,
+        tuple(fused_stages), len(engine.backends), num_microbatches, windows * accumulate_grad_batches, mode,
+        accumulate_grad_batches, microbatches_per_round, dispatch,
         tuple((s.layers, engine.store.stage_bytes(s.layers), engine.store.stage_grad_bytes(s.layers))
               for s in fused_stages), engine.chunk_bytes)
     return simulate_steady_program(program, profiles, engine.hardware_model(),
                                    optimizer_step_s=predicted_optimizer_s(engine) or 0.0, measure_from_window=first,
-                                   microbatch_weights=engine.microbatch_weights(num_microbatches)).step_s
+                                   microbatch_weights=engine.microbatch_weights(num_microbatches))
 
 
 @functools.lru_cache(maxsize=32)
-def _steady_program(fused_stages: tuple, num_devices: int, num_microbatches: int, windows: int, mode: str,
-                    microbatches_per_round: int | None, dispatch: Any, stage_sizes: tuple[tuple[range, int, int], ...],
+def _steady_program(fused_stages: tuple, num_devices: int, num_microbatches: int, iterations: int, mode: str,
+                    accumulate_grad_batches: int, microbatches_per_round: int | None, dispatch: Any,
+                    stage_sizes: tuple[tuple[range, int, int], ...],
                     chunk_bytes: int) -> Any:
-    """The lowered steady-state program of :func:`mode_step_s` (pure, so cached: the metrics callback
+    """The lowered steady-state program of :func:`steady_state_prediction` (pure, so cached: the metrics callback
     predicts every step, and lowering a program of several iterations costs milliseconds of Python
     that, on CPU virtual devices, the devices' own threads wait for). ``stage_sizes``: per stage,
     (layers, weight bytes, gradient bytes)."""
     from lightning_roundpipe.schedule.roundpipe import build_steady_state_plan
     from lightning_roundpipe.schedule.steady import lower_steady_state
 
-    plan = build_steady_state_plan(list(fused_stages), num_devices, num_microbatches, windows, optimizer=mode,
+    plan = build_steady_state_plan(list(fused_stages), num_devices, num_microbatches, iterations, optimizer=mode,
+                                   accumulate_grad_batches=accumulate_grad_batches,
                                    microbatches_per_round=microbatches_per_round, validate=False, dispatch=dispatch)
     sizes = {layers: (weight, grad) for layers, weight, grad in stage_sizes}
     return lower_steady_state(
