@@ -242,6 +242,21 @@ def test_nothing_to_convert_says_so():
     assert all(p.dtype == torch.float32 for p in module.parameters())
 
 
+def test_conversion_is_announced_once_across_fit_and_validate(caplog):
+    """`fit` then `validate` with the same trainer sets the strategy up twice: the conversion's info
+    line is said once (the recipe's fit, validation and test said it three times)."""
+    import logging
+
+    module = _lora_module()
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=2, partition="default", frozen_weights="fp8")
+    run = trainer(strategy, devices=2, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0)
+    with caplog.at_level(logging.INFO):
+        run.fit(module, loader(TokenData(n=14)))
+        run.validate(module, loader(TokenData(n=14)))
+    said = [r.getMessage() for r in caplog.records if "held on the host as float8_e4m3fn" in r.getMessage()]
+    assert len(said) == 1
+
+
 @pytest.mark.parametrize("value,hint", [("fp16", "'fp8' holds the frozen"), ("FP8", "use 'fp8'"), (8, "'fp8' holds")])
 def test_invalid_frozen_weights(value, hint):
     with pytest.raises(ValueError, match=r"`frozen_weights` must be one of \[None, 'fp8'\]") as error:

@@ -386,6 +386,21 @@ def test_plan_command_prints_both_dispatch_rules(capsys):
     assert "unknown GPU 'nope'" in capsys.readouterr().err
     assert main(["plan", "--preset", "llama3.1-8b", "--devices", "4090,3090", "--stage-memory-gib", "4"]) == 2
     assert "`--stage-memory-gib`" in capsys.readouterr().err
+    for flag in ("--tflops", "--device-memory-gib"):  # the list gives them: a value beside it would be ignored
+        assert main(["plan", "--preset", "llama3.1-8b", "--devices", "4090,3090", flag, "330"]) == 2
+        assert f"`{flag}` sets one value for equal devices" in capsys.readouterr().err
+
+
+def test_plan_header_says_mixed_only_for_unlike_devices(capsys):
+    """The device list's header: ``identical`` for equal figures (a name and its `TFLOPS:GiB` alike),
+    ``mixed`` otherwise; a model that fits no device: one sentence, one period before the HINT."""
+    assert main(["plan", "--preset", "qwen3-1.7b", "--devices", "4090,4090", "--grid-rows", "2"]) == 0
+    assert "devices (2, identical;" in capsys.readouterr().out
+    assert main(["plan", "--preset", "qwen3-1.7b", "--devices", "4090,3090", "--grid-rows", "2"]) == 0
+    assert "devices (2, mixed;" in capsys.readouterr().out
+    assert main(["plan", "--preset", "llama3.1-8b", "--devices", "1:0.5,2:0.5", "--grid-rows", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "HINT" in err and ".." not in err.replace("...", "")
 
 
 def test_speeds_too_far_apart_and_whole_number_budgets():

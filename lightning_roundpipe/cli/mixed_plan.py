@@ -143,12 +143,18 @@ def make_mixed_report(args: argparse.Namespace, devices: tuple[GpuSpec, ...]) ->
     and ``--device-memory-gib`` come from the list).
 
     Raises:
-        ValueError: a bad argument (as `roundpipe plan`), ``--stage-memory-gib`` with a device list,
-            or a layer that fits no device.
+        ValueError: a bad argument (as `roundpipe plan`); ``--tflops``, ``--device-memory-gib`` or
+            ``--stage-memory-gib`` with a device list; or a layer that fits no device.
     """
     from lightning_roundpipe.cli.plan_cmd import model_param_counts, plan_inputs
     from lightning_roundpipe.simulate.steady import choose_for_mode, partition_stages
 
+    given_flags = [flag for flag, name in (("--tflops", "tflops"), ("--device-memory-gib", "device_memory_gib"))
+                   if getattr(args, name, None) is not None]
+    if given_flags:
+        raise ValueError(f"`{given_flags[0]}` sets one value for equal devices; with a device list each device's"
+                         " TFLOP/s and memory come from the list. HINT: drop it, or give the device as `TFLOPS:GiB`"
+                         " in the list (e.g. `--devices 330:24,142:24`).")
     if getattr(args, "stage_memory_gib", None) is not None:
         raise ValueError("`--stage-memory-gib` sets one budget for equal devices; with a device list each device's"
                          " per-stage budget is half its memory. HINT: drop `--stage-memory-gib`, or give the"
@@ -190,7 +196,7 @@ def make_mixed_report(args: argparse.Namespace, devices: tuple[GpuSpec, ...]) ->
         counts = tuple(sum(1 for a in actions if a.kind.value == "LOAD") for actions in plan.actions)
         rules[rule] = RulePlan(rule=rule, choice=choice, execution_plan=plan, stage_counts=counts)
     if all(r.choice is None for r in rules.values()):
-        raise ValueError(rules["weighted"].note + ". HINT: a shorter sequence or microbatch, LoRA, or devices with more memory.")
+        raise ValueError(rules["weighted"].note.rstrip(".") + ". HINT: a shorter sequence or microbatch, LoRA, or devices with more memory.")
     return MixedPlanReport(modelled=mp, hardware=given.hardware, devices=devices, mixed=mixed, num_microbatches=M,
                            optimizer=given.optimizer, optimizer_bytes=optimizer_bytes, rules=rules)
 
@@ -201,12 +207,13 @@ def format_mixed_report(r: MixedPlanReport, grid_rows: int = 40) -> str:
 
     mp, sh = r.modelled, r.modelled.shape
     total, trainable = model_param_counts(mp)
+    kinds = len({(device.bf16_flops_per_s, device.memory_bytes) for device in r.devices})
     lines = [
         f"model: {sh.name} ({sh.model_type}, layer sequence L = {sh.num_layers}; {total / 1e9:.3g}B weights,"
         f" {trainable / 1e9:.3g}B trainable{', LoRA r=' + str(mp.lora.rank) if mp.lora else ''})",
         f"workload: microbatch {mp.microbatch_size} x {mp.seq_len} tokens, {r.num_microbatches} microbatches per step"
         f" ({r.tokens_per_step} tokens), {r.optimizer} optimizer",
-        f"devices ({len(r.devices)}, mixed; layer costs on the fastest, GEMM efficiency {mp.cost_model.gemm_efficiency:.3g},"
+        f"devices ({len(r.devices)}, {'mixed' if kinds > 1 else 'identical'}; layer costs on the fastest, GEMM efficiency {mp.cost_model.gemm_efficiency:.3g},"
         f" H2D {r.hardware.h2d_bytes_per_s / 1e9:.4g} GB/s each):",
         f"  {'dev':>3} {'name':<18} {'bf16 TFLOP/s':>12} {'memory GiB':>10} {'speed':>6} {'stage budget GiB':>16}",
     ]

@@ -52,6 +52,9 @@ from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, bu
 GiB = 2**30
 #: Upper bound of the longest-sequence search, tokens (a result equal to it means "at least").
 MAX_SEQ_LEN_SEARCHED = 1 << 22
+#: ``--tflops`` and ``--device-memory-gib`` when not given: an RTX 4090 (dense bf16 TFLOP/s, GiB).
+DEFAULT_TFLOPS = 165.0
+DEFAULT_DEVICE_MEMORY_GIB = 24.0
 #: most devices one plan covers (one machine; a 1000-device plan would take minutes to simulate)
 MAX_DEVICES = 64
 #: Bytes of a compute dtype ``--dtype-bytes`` accepts: 1 (fp8), 2 (bf16/fp16), 4 (fp32).
@@ -135,15 +138,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         " (330:24,142:24), which then replace --tflops and --device-memory-gib; a list prints the plan"
                         " and prediction of both dispatch rules, round robin and weighted by device speed and memory"
                         " (docs/partitioner.md)")
-    p.add_argument("--device-memory-gib", type=float, default=24.0, help="memory of one device, GiB (default 24)")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help=f"memory of one device, GiB (default {DEFAULT_DEVICE_MEMORY_GIB:g}; not with a device list)")
     p.add_argument("--stage-memory-gib", type=float, default=None,
                    help="per-stage memory budget, GiB (default: half of --device-memory-gib, as the next stage is prefetched)")
     p.add_argument("--h2d-gbps", type=float, default=25.0, help="host-to-device bandwidth per device, GB/s (1e9 bytes/s; default 25)")
     p.add_argument("--d2h-gbps", type=float, default=None, help="device-to-host bandwidth, GB/s (default: --h2d-gbps)")
     p.add_argument("--duplex-h2d-gbps", type=float, default=None,
                    help="host-to-device bandwidth while downloads run too, GB/s (default: --h2d-gbps)")
-    p.add_argument("--tflops", type=float, default=165.0,
-                   help="dense peak of one device in the compute dtype, TFLOP/s (RTX 4090: 165 bf16, 330 fp16 with fp16 accumulation)")
+    p.add_argument("--tflops", type=float, default=None,
+                   help=f"dense peak of one device in the compute dtype, TFLOP/s (default {DEFAULT_TFLOPS:g}, an RTX 4090"
+                        " in bf16; 330 in fp16 with fp16 accumulation; not with a device list)")
     p.add_argument("--efficiency", type=float, default=CostModel().gemm_efficiency,
                    help="achieved share of --tflops for dense GEMMs (default %(default)s, fitted to the paper's 4090 timings)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
@@ -243,8 +248,10 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
     else:
         shape = ModelShape.load(args.model)
     optimizer_gbps = getattr(args, "optimizer_gbps", None)
-    for flag, value in (("--tflops", args.tflops), ("--h2d-gbps", args.h2d_gbps), ("--d2h-gbps", args.d2h_gbps),
-                        ("--duplex-h2d-gbps", args.duplex_h2d_gbps), ("--device-memory-gib", args.device_memory_gib),
+    tflops = DEFAULT_TFLOPS if args.tflops is None else args.tflops
+    device_memory_gib = DEFAULT_DEVICE_MEMORY_GIB if args.device_memory_gib is None else args.device_memory_gib
+    for flag, value in (("--tflops", tflops), ("--h2d-gbps", args.h2d_gbps), ("--d2h-gbps", args.d2h_gbps),
+                        ("--duplex-h2d-gbps", args.duplex_h2d_gbps), ("--device-memory-gib", device_memory_gib),
                         ("--optimizer-gbps", optimizer_gbps)):
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"`{flag}` must be a finite number > 0, got {value}. HINT: see `roundpipe plan --help`"
@@ -258,11 +265,11 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
                          " HINT: across machines, plan one node and add data parallelism (`Trainer(num_nodes=N)`).")
     gbps = 1e9
     hw = HardwareModel(
-        flops_per_s=args.tflops * 1e12,
+        flops_per_s=tflops * 1e12,
         h2d_bytes_per_s=args.h2d_gbps * gbps,
         d2h_bytes_per_s=(args.d2h_gbps or args.h2d_gbps) * gbps,
         h2d_duplex_bytes_per_s=None if args.duplex_h2d_gbps is None else args.duplex_h2d_gbps * gbps,
-        memory_bytes=int(args.device_memory_gib * GiB),
+        memory_bytes=int(device_memory_gib * GiB),
         host_optimizer_bytes_per_s=None if optimizer_gbps is None else optimizer_gbps * gbps,
     )
     cm = CostModel(gemm_efficiency=args.efficiency)

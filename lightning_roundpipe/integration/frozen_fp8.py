@@ -89,6 +89,7 @@ class FrozenFp8:
         self.restored_names: frozenset[str] = frozenset()
         self._hook: _WarnWhenSaved | None = None
         self._owners: list[nn.Module] = []
+        self._announced: str | None = None  # the last conversion announced (the same one is not repeated)
 
     # ------------------------------------------------------------------ setup / teardown
     def setup(self, store: Any, lightning_module: nn.Module, target: nn.Module) -> None:
@@ -118,13 +119,16 @@ class FrozenFp8:
         after = sum(e.block.numel() for e in converted)
         original = sorted({_dtype_name(e.original_dtype) for e in converted})
         dequantised = sorted({_dtype_name(e.dequant_dtype) for e in converted})
-        rank_zero_info(
+        message = (
             f"RoundPipe: frozen_weights='fp8': {len(converted)} frozen matmul weights ({numel / 1e6:.2f}M parameters)"
             f" are held on the host as float8_e4m3fn with one fp32 scale per output channel ({after / 2**20:.2f} MiB,"
             f" {after / numel:.3f} bytes per parameter, instead of {before / 2**20:.2f} MiB in {'/'.join(original)}),"
             f" uploaded so and dequantised to {'/'.join(dequantised)} on the devices. Checkpoints leave them out (the"
             " base comes from its own files); when the strategy tears down they get their dtype back with fp8-rounded"
             " values.")
+        if message != self._announced:  # a later `validate`/`test` of the same model sets up again: said once
+            self._announced = message
+            rank_zero_info(message)
 
     def after_teardown(self) -> None:
         """The weights hold their fp8-rounded values now: the first state dict covering one warns (once)."""
