@@ -245,3 +245,43 @@ def test_optimizer_rate_flag_moves_the_sync_step_by_the_optimizer_time(capsys):
         main(argv + ["--optimizer", "adam"])
     assert main(argv + ["--accumulate-grad-batches", "0"]) == 2
     assert "`--accumulate-grad-batches` must be an int >= 1" in capsys.readouterr().err
+
+
+SMOL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("config,message", [
+    ([1, 2], "holds a JSON list, not an object of config fields"),
+    ({**SMOL, "vocab_size": "x"}, "`vocab_size` must be a whole number"),
+    ({**SMOL, "num_hidden_layers": 2.5}, "`num_hidden_layers` must be a whole number"),
+    ({**SMOL, "num_key_value_heads": 4}, "`num_key_value_heads` = 4 must divide `num_attention_heads` = 9"),
+    ({**SMOL, "head_dim": True}, "`head_dim` must be a whole number"),
+])
+def test_bad_config_files_are_named_errors(tmp_path, capsys, config, message):
+    """A config file that is not an object, or a field that is not a whole number, or key/value heads
+    that do not divide the query heads: exit 2 with the field named and a HINT, no traceback."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", "--model", str(tmp_path), "--devices", "2"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "HINT" in err and "Traceback" not in err
+
+
+def test_plan_flags_out_of_range_say_what_to_do(tmp_path, capsys):
+    """Counts below 1 (also a negative device count, once read as a GPU's name), more microbatches than
+    a plan simulates: exit 2 with the range and a HINT. One device is "1 device"; a model type the
+    cost model does not know is said to be costed as a llama-style decoder."""
+    for argv, message in ((["--devices", "-2"], "`--devices` must be >= 1, got -2"),
+                          (["--devices", "0"], "`--devices` must be >= 1, got 0"),
+                          (["--seq-len", "0"], "`--seq-len` must be >= 1"),
+                          (["--microbatches", "1000"], f"`--microbatches` must be in 1..{plan_cmd.MAX_MICROBATCHES}"),
+                          (["--efficiency", "1.5"], "`--efficiency` must be in (0, 1]"),
+                          (["--stage-memory-gib", "30"], "`--stage-memory-gib` must be in (0, --device-memory-gib]"),
+                          (["--accumulate-grad-batches", "0"], "`--accumulate-grad-batches` must be an int >= 1")):
+        assert main(["plan", "--preset", "qwen3-1.7b", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "HINT" in err, err
+    (tmp_path / "config.json").write_text(json.dumps({**SMOL, "model_type": "bert"}))
+    assert main(["plan", "--model", str(tmp_path), "--devices", "1", "--grid-rows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "hardware: 1 device x 24 GiB" in out and "model_type `bert` is not one the cost model knows" in out

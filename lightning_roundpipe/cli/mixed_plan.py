@@ -50,7 +50,7 @@ def parse_devices(text: str) -> int | tuple[GpuSpec, ...]:
             (named, with the known GPUs and a HINT).
     """
     text = str(text).strip()
-    if text.isdigit():
+    if text.lstrip("+-").isdigit():  # a count (`plan_inputs` checks its range)
         return int(text)
     entries = [entry.strip() for entry in text.split(",")]
     if entries and entries[-1] == "" and len(entries) > 1:

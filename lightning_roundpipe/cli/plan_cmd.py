@@ -28,7 +28,8 @@ from dataclasses import field as dc_field
 from typing import Callable, Sequence
 
 from lightning_roundpipe.partition.candidates import candidate_partitions
-from lightning_roundpipe.partition.costmodel import CostModel, LoRASpec, ModelledProfiles, ModelShape, model_profiles
+from lightning_roundpipe.partition.costmodel import (KNOWN_MODEL_TYPES, CostModel, LoRASpec, ModelledProfiles, ModelShape,
+                                                   model_profiles)
 from lightning_roundpipe.partition.partitioner import (
     METHODS,
     StageSummary,
@@ -55,6 +56,8 @@ MAX_SEQ_LEN_SEARCHED = 1 << 22
 #: ``--tflops`` and ``--device-memory-gib`` when not given: an RTX 4090 (dense bf16 TFLOP/s, GiB).
 DEFAULT_TFLOPS = 165.0
 DEFAULT_DEVICE_MEMORY_GIB = 24.0
+#: most microbatches per step one plan simulates (its time grows with them; 1024 took minutes)
+MAX_MICROBATCHES = 256
 #: most devices one plan covers (one machine; a 1000-device plan would take minutes to simulate)
 MAX_DEVICES = 64
 #: Bytes of a compute dtype ``--dtype-bytes`` accepts: 1 (fp8), 2 (bf16/fp16), 4 (fp32).
@@ -165,7 +168,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--optimizer", choices=MODES, default="sync",
                    help="the run's optimizer mode (RoundPipeStrategy(optimizer=...)): `sync` (default; a step is one"
                         " pipeline plus the host's optimizer step) or `async` (the paper's steady state, weights one step"
-                        " stale); the plan is chosen for it, both modes' predictions are printed")
+                        " stale); the plan is chosen for it, both modes' predictions are printed (a device list: this mode's)")
     p.add_argument("--optimizer-gbps", type=float, default=None,
                    help="host optimizer rate: GB/s of fp32 master weights and Adam moments (12 bytes per trainable"
                         " parameter) one optimizer step gets through (default"
@@ -217,10 +220,13 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
             raise ValueError("`--devices` lists devices; `make_report` plans a count of equal devices."
                              " HINT: `lightning_roundpipe.cli.mixed_plan.make_mixed_report` plans a device list.")
         args.devices = count
-    for name in ("devices", "seq_len", "microbatch_size", "lora_rank"):
+    hints = {"devices": f"a count (1..{MAX_DEVICES}) or a device list, e.g. `--devices 8` or `--devices 4090,3090`",
+             "seq_len": "tokens per sequence, e.g. 2048", "microbatch_size": "sequences per microbatch, e.g. 4",
+             "lora_rank": "the adapters' rank, e.g. 16"}
+    for name, hint in hints.items():
         v = getattr(args, name)
         if v < 1:
-            raise ValueError(f"`--{name.replace('_', '-')}` must be >= 1, got {v}.")
+            raise ValueError(f"`--{name.replace('_', '-')}` must be >= 1, got {v}. HINT: {hint}.")
     if args.dtype_bytes not in DTYPE_BYTES:
         raise ValueError(
             f"`--dtype-bytes` must be one of {list(DTYPE_BYTES)}, got {args.dtype_bytes}."
@@ -229,16 +235,21 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
     grid_rows = getattr(args, "grid_rows", 0)
     if grid_rows < 0:
         raise ValueError(f"`--grid-rows` must be >= 0, got {grid_rows}. HINT: 0 shows every step of the grid.")
-    if args.microbatches is not None and args.microbatches < 1:
-        raise ValueError(f"`--microbatches` must be >= 1, got {args.microbatches}.")
+    if args.microbatches is not None and not 1 <= args.microbatches <= MAX_MICROBATCHES:
+        raise ValueError(f"`--microbatches` must be in 1..{MAX_MICROBATCHES}, got {args.microbatches}. HINT: the"
+                         " simulator's time grows with the microbatches and the bubble is nearly gone from"
+                         " devices + 1 on (the default); for a larger global batch, plan"
+                         " `--accumulate-grad-batches`.")
     if not 0 < args.efficiency <= 1:
-        raise ValueError(f"`--efficiency` must be in (0, 1], got {args.efficiency}.")
+        raise ValueError(f"`--efficiency` must be in (0, 1], got {args.efficiency}. HINT: the achieved share of"
+                         " `--tflops` for dense GEMMs, e.g. 0.75.")
     optimizer = getattr(args, "optimizer", "sync")
     if optimizer not in MODES:
         raise ValueError(f"`--optimizer` must be one of {list(MODES)}, got {optimizer!r}.")
     accumulate = getattr(args, "accumulate_grad_batches", 1)
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"`--accumulate-grad-batches` must be an int >= 1, got {accumulate!r}.")
+        raise ValueError(f"`--accumulate-grad-batches` must be an int >= 1, got {accumulate!r}. HINT: 1 steps the"
+                         " optimizer after every batch.")
     method = getattr(args, "method", "auto")
     if method not in METHOD_CHOICES:
         raise ValueError(f"`--method` must be one of {list(METHOD_CHOICES)}, got {method!r}.")
@@ -255,7 +266,8 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
                         ("--optimizer-gbps", optimizer_gbps)):
         if value is not None and not 0 < value < float("inf"):
             raise ValueError(f"`{flag}` must be a finite number > 0, got {value}. HINT: see `roundpipe plan --help`"
-                             " for each flag's default (an RTX 4090 on PCIe 4.0 x16).")
+                             " for each flag's default (" + ("a host's memory bandwidth share" if flag == "--optimizer-gbps"
+                                                             else "an RTX 4090 on PCIe 4.0 x16") + ").")
     if not 1 <= args.devices <= MAX_DEVICES:
         from lightning_roundpipe.partition.devices import gpu_spec
 
@@ -278,7 +290,8 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
     M = args.microbatches or D + 1
     budget = hw.memory_bytes // 2 if args.stage_memory_gib is None else int(args.stage_memory_gib * GiB)
     if not 0 < budget <= hw.memory_bytes:
-        raise ValueError(f"`--stage-memory-gib` must be in (0, --device-memory-gib], got {args.stage_memory_gib}.")
+        raise ValueError(f"`--stage-memory-gib` must be in (0, --device-memory-gib], got {args.stage_memory_gib}."
+                         " HINT: leave it out for half the device memory (the next stage is prefetched beside it).")
     return PlanInputs(shape=shape, hardware=hw, cost_model=cm, lora=lora, num_devices=D, num_microbatches=M,
                       stage_memory_bytes=budget, optimizer=optimizer, accumulate_grad_batches=accumulate, method=method)
 
@@ -405,9 +418,14 @@ def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) 
         f" {total_params / 1e9:.3g}B weights, {trainable / 1e9:.3g}B trainable{', LoRA r=' + str(mp.lora.rank) if mp.lora else ''})",
         f"workload: microbatch {mp.microbatch_size} x {mp.seq_len} tokens = {mp.tokens_per_microbatch} tokens,"
         f" {r.num_microbatches} microbatches per step ({r.num_microbatches * mp.tokens_per_microbatch} tokens)",
-        f"hardware: {r.num_devices} devices x {_num(hw.memory_bytes / GiB)} GiB, {_num(hw.flops_per_s / 1e12)} TFLOP/s"
+        f"hardware: {r.num_devices} device{'s' if r.num_devices != 1 else ''} x {_num(hw.memory_bytes / GiB)} GiB, {_num(hw.flops_per_s / 1e12)} TFLOP/s"
         f" peak (GEMM efficiency {_num(mp.cost_model.gemm_efficiency)}), H2D {_num(hw.h2d_bytes_per_s / 1e9)} GB/s,"
         f" D2H {_num(hw.d2h_bytes_per_s / 1e9)} GB/s; per-stage memory budget {_num(r.stage_memory_bytes / GiB)} GiB",
+    ]
+    if sh.model_type not in KNOWN_MODEL_TYPES:
+        lines.append(f"note: model_type `{sh.model_type}` is not one the cost model knows ({', '.join(KNOWN_MODEL_TYPES)}):"
+                     " its layers are costed as a llama-style decoder's from the config's sizes")
+    lines += [
         f"partition: {nf} forward + {nb} backward stages (incl. the fused tail) = {len(r.stages)} stages;"
         f" objective max(S, D) x W = {r.partition.objective_s:.3f} s" + _choice_note(r),
         "",

@@ -113,10 +113,24 @@ class ModelShape:
             cfg = {**cfg["text_config"], "_name_or_path": cfg.get("_name_or_path", "")}
         model_type = str(cfg.get("model_type", "unknown"))
 
+        def integer(key: str) -> int:
+            value = cfg[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+                raise ValueError(f"Config field `{key}` must be a whole number for model_type `{model_type}`, got"
+                                 f" {value!r}. HINT: check the config.json against the model's own.")
+            return int(value)
+
+        def optional(key: str, *alts: str) -> int:
+            """The first of ``key, *alts`` the config sets (not null, not 0), else 0."""
+            for k in (key, *alts):
+                if cfg.get(k):
+                    return integer(k)
+            return 0
+
         def need(key: str, *alts: str) -> int:
             for k in (key, *alts):
                 if cfg.get(k) is not None:
-                    v = int(cfg[k])
+                    v = integer(k)
                     if v <= 0:
                         raise ValueError(f"Config field `{k}` must be > 0 for model_type `{model_type}`, got {v}.")
                     return v
@@ -129,27 +143,31 @@ class ModelShape:
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        kv = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        kv = optional("num_key_value_heads") or heads
+        if kv < 1 or heads % kv:
+            raise ValueError(f"Config field `num_key_value_heads` = {kv} must divide `num_attention_heads` = {heads}"
+                             f" (model_type `{model_type}`: each key/value head serves a group of query heads)."
+                             " HINT: check the config.json against the model's own.")
+        head_dim = optional("head_dim") or hidden // heads
         layers = need("num_hidden_layers")
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+        experts = optional("num_experts", "num_local_experts", "n_routed_experts")
         moe_layers: tuple[bool, ...] = ()
         moe_inter = 0
         if experts > 0:
-            step = int(cfg.get("decoder_sparse_step") or 1)
+            step = optional("decoder_sparse_step") or 1
             mlp_only = set(cfg.get("mlp_only_layers") or ())
             moe_layers = tuple((i not in mlp_only) and (i + 1) % step == 0 for i in range(layers))
-            moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+            moe_inter = optional("moe_intermediate_size", "intermediate_size")
             if moe_inter <= 0:
                 raise ValueError(f"MoE config of model_type `{model_type}` lacks `moe_intermediate_size`.")
         sliding = tuple(str(t) == "sliding_attention" for t in (cfg.get("layer_types") or ())[:layers])
-        window = int(cfg.get("sliding_window") or 0) if any(sliding) else 0
+        window = optional("sliding_window") if any(sliding) else 0
         gpt_oss = model_type in _GPT_OSS_TYPES
         return cls(
             name=name or str(cfg.get("_name_or_path") or model_type),
             model_type=model_type,
             hidden_size=hidden,
-            intermediate_size=int(cfg.get("intermediate_size") or 0) if experts else need("intermediate_size"),
+            intermediate_size=optional("intermediate_size") if experts else need("intermediate_size"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv,
@@ -159,7 +177,7 @@ class ModelShape:
             qk_norm=model_type in _QK_NORM_TYPES,
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             num_experts=experts,
-            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            num_experts_per_tok=optional("num_experts_per_tok") if experts else 0,
             moe_intermediate_size=moe_inter,
             moe_layers=moe_layers,
             attention_output_bias=gpt_oss and bool(cfg.get("attention_bias", True)),
@@ -185,8 +203,12 @@ class ModelShape:
         try:
             with open(p, encoding="utf-8") as fh:
                 data = json.load(fh)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"`{p}` is not valid JSON: {e}.") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"`{p}` is not valid JSON: {e}. HINT: pass a Hugging Face `config.json` (file or"
+                             " folder).") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"`{p}` holds a JSON {type(data).__name__}, not an object of config fields. HINT: pass a"
+                             " Hugging Face `config.json` (file or folder).")
         default_name = os.path.basename(os.path.dirname(os.path.abspath(p))) or p
         return cls.from_config(data, name=data.get("_name_or_path") or default_name)
 
