@@ -277,7 +277,8 @@ def test_plan_flags_out_of_range_say_what_to_do(tmp_path, capsys):
                           (["--microbatches", "1000"], f"`--microbatches` must be in 1..{plan_cmd.MAX_MICROBATCHES}"),
                           (["--efficiency", "1.5"], "`--efficiency` must be in (0, 1]"),
                           (["--stage-memory-gib", "30"], "`--stage-memory-gib` must be in (0, --device-memory-gib]"),
-                          (["--accumulate-grad-batches", "0"], "`--accumulate-grad-batches` must be an int >= 1")):
+                          (["--accumulate-grad-batches", "0"], "`--accumulate-grad-batches` must be an int >= 1"),
+                          (["--tflops", "1e6"], "`--tflops` 1e+06 is more than any device (3000")):
         assert main(["plan", "--preset", "qwen3-1.7b", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert message in err and "HINT" in err, err
