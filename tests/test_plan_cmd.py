@@ -257,6 +257,8 @@ SMOL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "n
     ({**SMOL, "num_hidden_layers": 2.5}, "`num_hidden_layers` must be a whole number"),
     ({**SMOL, "num_key_value_heads": 4}, "`num_key_value_heads` = 4 must divide `num_attention_heads` = 9"),
     ({**SMOL, "head_dim": True}, "`head_dim` must be a whole number"),
+    ({**SMOL, "hidden_size": float("inf")}, "`hidden_size` must be a whole number"),
+    ({**SMOL, "num_hidden_layers": float("nan")}, "`num_hidden_layers` must be a whole number"),
 ])
 def test_bad_config_files_are_named_errors(tmp_path, capsys, config, message):
     """A config file that is not an object, or a field that is not a whole number, or key/value heads

@@ -17,6 +17,7 @@ default efficiencies are fitted to the paper's per-layer timings on an RTX 4090
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
@@ -115,7 +116,8 @@ class ModelShape:
 
         def integer(key: str) -> int:
             value = cfg[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or value != int(value)):
                 raise ValueError(f"Config field `{key}` must be a whole number for model_type `{model_type}`, got"
                                  f" {value!r}. HINT: check the config.json against the model's own.")
             return int(value)
