@@ -149,16 +149,12 @@ def make_mixed_report(args: argparse.Namespace, devices: tuple[GpuSpec, ...]) ->
     from lightning_roundpipe.cli.plan_cmd import model_param_counts, plan_inputs
     from lightning_roundpipe.simulate.steady import choose_for_mode, partition_stages
 
-    given_flags = [flag for flag, name in (("--tflops", "tflops"), ("--device-memory-gib", "device_memory_gib"))
-                   if getattr(args, name, None) is not None]
-    if given_flags:
-        raise ValueError(f"`{given_flags[0]}` sets one value for equal devices; with a device list each device's"
-                         " TFLOP/s and memory come from the list. HINT: drop it, or give the device as `TFLOPS:GiB`"
-                         " in the list (e.g. `--devices 330:24,142:24`).")
-    if getattr(args, "stage_memory_gib", None) is not None:
-        raise ValueError("`--stage-memory-gib` sets one budget for equal devices; with a device list each device's"
-                         " per-stage budget is half its memory. HINT: drop `--stage-memory-gib`, or give the"
-                         " memory in the list (`TFLOPS:GiB`).")
+    for flag in ("--tflops", "--device-memory-gib", "--stage-memory-gib"):
+        if getattr(args, flag[2:].replace("-", "_"), None) is not None:
+            raise ValueError(f"`{flag}` sets one value for equal devices; with a device list each device's TFLOP/s and"
+                             " memory come from the list (its per-stage budget: half its memory). HINT: drop"
+                             f" `{flag}`, or give the device as `TFLOPS:GiB` in the list (e.g. `--devices"
+                             " 330:24,142:24`).")
     fastest = max(devices, key=lambda d: d.bf16_flops_per_s)
     base = copy.copy(args)
     base.devices = len(devices)

@@ -28,7 +28,6 @@ from dataclasses import field as dc_field
 from typing import Callable, Sequence
 
 from lightning_roundpipe.cli import mixed_plan
-from lightning_roundpipe.cli.mixed_plan import MAX_TFLOPS, parse_devices
 from lightning_roundpipe.partition.candidates import candidate_partitions
 from lightning_roundpipe.partition.costmodel import (KNOWN_MODEL_TYPES, CostModel, LoRASpec, ModelledProfiles, ModelShape,
                                                    model_profiles)
@@ -215,7 +214,7 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         ValueError: a bad argument value (named, with the valid range).
     """
     if isinstance(args.devices, str):
-        count = parse_devices(args.devices)
+        count = mixed_plan.parse_devices(args.devices)
         if not isinstance(count, int):
             raise ValueError("`--devices` lists devices; `make_report` plans a count of equal devices."
                              " HINT: `lightning_roundpipe.cli.mixed_plan.make_mixed_report` plans a device list.")
@@ -268,8 +267,8 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
             raise ValueError(f"`{flag}` must be a finite number > 0, got {value}. HINT: see `roundpipe plan --help`"
                              " for each flag's default (" + ("a host's memory bandwidth share" if flag == "--optimizer-gbps"
                                                              else "an RTX 4090 on PCIe 4.0 x16") + ").")
-    if tflops > MAX_TFLOPS:  # as a device list's `TFLOPS:GiB` entry
-        raise ValueError(f"`--tflops` {tflops:g} is more than any device ({MAX_TFLOPS} dense TFLOP/s at most)."
+    if tflops > mixed_plan.MAX_TFLOPS:  # as a device list's `TFLOPS:GiB` entry
+        raise ValueError(f"`--tflops` {tflops:g} is more than any device ({mixed_plan.MAX_TFLOPS} dense TFLOP/s at most)."
                          " HINT: one device's dense peak in the compute dtype, e.g. 165 for an RTX 4090 in bf16.")
     if not 1 <= args.devices <= MAX_DEVICES:
         from lightning_roundpipe.partition.devices import gpu_spec

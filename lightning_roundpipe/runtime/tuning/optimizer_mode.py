@@ -181,8 +181,8 @@ def steady_state_prediction(engine: Any, fused_stages: Any, profiles: Any, micro
         rounds = -(-num_microbatches // (microbatches_per_round or num_microbatches))
         windows = first + 1 + rotation_windows(len(fused_stages), len(engine.backends), rounds)
     program = _steady_program(
-        tuple(fused_stages), len(engine.backends), num_microbatches, windows * accumulate_grad_batches, mode,
-        accumulate_grad_batches, microbatches_per_round, dispatch,
+        tuple(fused_stages), len(engine.backends), num_microbatches, windows, mode, accumulate_grad_batches,
+        microbatches_per_round, dispatch,
         tuple((s.layers, engine.store.stage_bytes(s.layers), engine.store.stage_grad_bytes(s.layers))
               for s in fused_stages), engine.chunk_bytes)
     return simulate_steady_program(program, profiles, engine.hardware_model(),
@@ -191,19 +191,19 @@ def steady_state_prediction(engine: Any, fused_stages: Any, profiles: Any, micro
 
 
 @functools.lru_cache(maxsize=32)
-def _steady_program(fused_stages: tuple, num_devices: int, num_microbatches: int, iterations: int, mode: str,
+def _steady_program(fused_stages: tuple, num_devices: int, num_microbatches: int, windows: int, mode: str,
                     accumulate_grad_batches: int, microbatches_per_round: int | None, dispatch: Any,
-                    stage_sizes: tuple[tuple[range, int, int], ...],
-                    chunk_bytes: int) -> Any:
+                    stage_sizes: tuple[tuple[range, int, int], ...], chunk_bytes: int) -> Any:
     """The lowered steady-state program of :func:`steady_state_prediction` (pure, so cached: the metrics callback
     predicts every step, and lowering a program of several iterations costs milliseconds of Python
     that, on CPU virtual devices, the devices' own threads wait for). ``stage_sizes``: per stage,
-    (layers, weight bytes, gradient bytes)."""
+    (layers, weight bytes, gradient bytes); ``windows`` optimizer steps of ``accumulate_grad_batches``
+    iterations each."""
     from lightning_roundpipe.schedule.roundpipe import build_steady_state_plan
     from lightning_roundpipe.schedule.steady import lower_steady_state
 
-    plan = build_steady_state_plan(list(fused_stages), num_devices, num_microbatches, iterations, optimizer=mode,
-                                   accumulate_grad_batches=accumulate_grad_batches,
+    plan = build_steady_state_plan(list(fused_stages), num_devices, num_microbatches, windows * accumulate_grad_batches,
+                                   optimizer=mode, accumulate_grad_batches=accumulate_grad_batches,
                                    microbatches_per_round=microbatches_per_round, validate=False, dispatch=dispatch)
     sizes = {layers: (weight, grad) for layers, weight, grad in stage_sizes}
     return lower_steady_state(
