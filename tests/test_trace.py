@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import time
 from collections import defaultdict
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -246,7 +245,7 @@ def test_evaluation_phases_keep_no_timelines():
 
 # ---------------------------------------------------------------------------------------- W&B
 def test_wandb_offline_run_holds_image_trace_artifact_plan_and_device_keys(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     from _wandb_offline import read_run, records
     from lightning.pytorch.loggers import WandbLogger
 
@@ -261,12 +260,11 @@ def test_wandb_offline_run_holds_image_trace_artifact_plan_and_device_keys(tmp_p
     t = trainer(strategy, devices=2, max_steps=3, logger=logger, log_every_n_steps=1)
     t.fit(MLPModule(), loader(VectorData()))
     logger.experiment.finish()
+    # `finish` returns before wandb-core has written the log's last records; `teardown` waits for the
+    # service process (the log's writer) to exit, so the file is read complete and closed, never mid-write
+    wandb.teardown()
     (folder,) = (tmp_path / "wandb").glob("offline-run-*")
     run = read_run(folder)
-    deadline = time.monotonic() + 60
-    while run.exit_code is None and time.monotonic() < deadline:  # wandb-core may still be writing the log
-        time.sleep(0.5)
-        run = read_run(folder)
     assert run.exit_code == 0
     assert run.config["roundpipe/num_microbatches"] == 3 and run.config["roundpipe/devices"] == 2
     assert run.config["roundpipe/stages"][0].startswith("0 forward layers 0..")

@@ -100,8 +100,9 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
-        with self._held_lock:
-            self._held.clear()
+        # only what completed: a d2h issuing thread may have appended a copy while this thread waited
+        # (overlapped runs), and clearing would free its source before the copy reads it
+        self._release_done()
 
     def release_after(self, tensors: list[torch.Tensor], stream: str) -> None:
         if not tensors:

@@ -340,7 +340,8 @@ def simulated_step_s(engine: Any, partition: PartitionPlan, profiles: Sequence[L
 
 
 def hardware_model(engine: Any):
-    """The link model the prediction uses: on CUDA the pinned H2D/D2H rates measured with every GPU
+    """The link model the prediction uses: on CUDA the pinned H2D/D2H rates measured once, after the
+    engine's overlapped runs are drained (nothing in flight), with every GPU
     copying at once, the slowest GPU's (bytes/s; duplex taken as the H2D rate); on CPU virtual devices the modelled link, or
     ``None`` when copies are unthrottled (transfers then cost nothing in the prediction). It carries
     the host's optimizer rate measured during the profiled steps
@@ -351,8 +352,10 @@ def hardware_model(engine: Any):
         from lightning_roundpipe.runtime.backends.cuda import measure_links
 
         cached = getattr(engine, "_measured_links", None)
-        h2d, d2h = cached if cached is not None else measure_links(engine.backends)
-        engine._measured_links = (h2d, d2h)
+        if cached is None:  # measured once, with nothing in flight: copies beside a step's time the step
+            engine.drain()
+            cached = measure_links(engine.backends)
+        h2d, d2h = engine._measured_links = cached
     elif engine.cpu_link_bytes_per_s is not None:
         h2d = d2h = engine.cpu_link_bytes_per_s
     else:

@@ -11,12 +11,15 @@ stages. An engine (passed in; this module does not import it) gets from :func:`c
   would finish it first given its speed and load, only on devices whose memory holds it), or
   ``"auto"``: the round robin until the profiled steps are over, then the one the simulator times
   faster (:func:`~lightning_roundpipe.runtime.tuning.autopartition.choose_partition`);
-- the devices' relative speeds: measured after the warm-up step of the profiled steps by
+- the devices' relative speeds: on CPU virtual devices the configured ``cpu_device_speeds`` are the
+  speeds (the throttle makes them exact; a probe on a loaded host would only add noise), never
+  measured; on distinct GPUs they are measured after the warm-up step of the profiled steps by
   :func:`measure_device_speeds` (the same matrix multiplies timed on each device's compute stream),
-  which also scales the profiled layer times to a device of speed 1
-  (:class:`~lightning_roundpipe.runtime.tuning.profiler.LayerProfiler`); until then the configured
-  CPU speeds, or none (equal devices). Speeds that differ by less than :data:`SPEED_TOLERANCE` are
-  taken as equal (the probe's noise on identical devices).
+  with nothing in flight (the engine's overlapped runs are drained first) and repeated while the
+  spans of one device spread more than :data:`SPEED_TOLERANCE`. The speeds also scale the profiled
+  layer times to a device of speed 1
+  (:class:`~lightning_roundpipe.runtime.tuning.profiler.LayerProfiler`). Speeds that differ by less
+  than :data:`SPEED_TOLERANCE` are taken as equal (the probe's noise on identical devices).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ two identical GPUs (or CPU virtual devices sharing one host) time the probe a fe
 _PROBE_SIZE = {"cpu": 256, "cuda": 4096}  # square matrix side of the probe's matrix multiplies
 _PROBE_MATMULS = {"cpu": 8, "cuda": 8}  # matrix multiplies per timed span
 _PROBE_SPANS = 5  # timed spans per device, after a warm-up span
+_PROBE_ATTEMPTS = 3  # probes at most, while a device's spans spread more than SPEED_TOLERANCE
 
 
 def configure_devices(engine: Any, cpu_device_speeds: Sequence[float] | None = None, dispatch: str = "auto") -> None:
@@ -82,9 +86,11 @@ def configure_devices(engine: Any, cpu_device_speeds: Sequence[float] | None = N
         engine.device_speeds_source = "configured"
     engine.dispatch_mode = dispatch
     engine.dispatch_rule = "weighted" if dispatch == "weighted" else "round_robin"
+    profiler = engine.executor.profiler
+    if cpu_device_speeds is not None and profiler is not None:  # the known speeds scale the profiled times
+        profiler.device_speeds = list(speeds)
     if num_devices == 1 or not _may_differ(engine):
         return
-    profiler = engine.executor.profiler
     if profiler is not None:
         profiler.speed_probe = lambda: _take_measured_speeds(engine)
     elif dispatch == "weighted":
@@ -92,11 +98,11 @@ def configure_devices(engine: Any, cpu_device_speeds: Sequence[float] | None = N
 
 
 def _may_differ(engine: Any) -> bool:
-    """Whether the devices' speeds are worth measuring: distinct GPUs, or CPU virtual devices with
-    configured speeds (CPU virtual devices without them, and logical devices of one GPU, are equal)."""
+    """Whether the devices' speeds are worth measuring: distinct GPUs only (CPU virtual devices run at
+    their configured speeds, or all at the host's; logical devices of one GPU are equal)."""
     if all(backend.is_cuda for backend in engine.backends):
         return len({backend.device for backend in engine.backends}) > 1
-    return engine.device_speeds_source == "configured"
+    return False
 
 
 def _distinct(speeds: Sequence[float]) -> tuple[float, ...] | None:
@@ -105,8 +111,11 @@ def _distinct(speeds: Sequence[float]) -> tuple[float, ...] | None:
 
 
 def _take_measured_speeds(engine: Any) -> list[float]:
-    """Measure, keep as ``engine.device_speeds`` (equal within the tolerance: ``None``) and return the
-    speeds; plans built before are dropped (they were built with the prior speeds)."""
+    """Measure with nothing in flight (the engine's overlapped runs drained first: a probe beside a
+    step's kernels times the step, not the device), keep as ``engine.device_speeds`` (equal within the
+    tolerance: ``None``) and return the speeds; plans built before are dropped (they were built with
+    the prior speeds)."""
+    engine.drain()
     measured = measure_device_speeds(engine.backends)
     engine.measured_device_speeds = measured
     engine.device_speeds = _distinct(measured)
@@ -121,16 +130,35 @@ def _drop_plans(engine: Any) -> None:
     engine._predictions.clear()
 
 
-def measure_device_speeds(backends: Sequence[Any]) -> list[float]:
+def measure_device_speeds(backends: Sequence[Any], attempts: int = _PROBE_ATTEMPTS) -> list[float]:
     """Relative compute speed of each device (the fastest 1.0): the same square matrix multiplies
     (fp32 on CPU virtual devices, bf16 on GPUs) timed on each device's compute stream. One device
     runs at a time, the devices take turns for :data:`_PROBE_SPANS` rounds after a warm-up round,
     and each device's shortest span counts (work running beside the probe only lengthens a span).
+    While some device's timed spans spread more than :data:`SPEED_TOLERANCE` (its median over its
+    shortest, minus 1: something ran beside the probe), the probe is repeated, ``attempts`` times
+    at most; each device's shortest span over all attempts counts. Call with nothing in flight on
+    the devices (:func:`configure_devices` drains the engine first).
 
     A device's speed on the model's own layers is about its matrix-multiply throughput (what the
     table of ``roundpipe plan --devices`` lists); a throttled CPU virtual device slows the probe as
     it slows every op.
     """
+    best = [math.inf] * len(backends)
+    for _ in range(max(1, attempts)):
+        spreads = []
+        for index, timed in enumerate(_probe_spans(backends)):
+            shortest = min(timed) if timed else math.inf
+            best[index] = min(best[index], shortest)
+            median = sorted(timed)[len(timed) // 2] if timed else math.inf
+            spreads.append(median / max(shortest, 1e-12) - 1.0 if timed else math.inf)
+        if max(spreads) <= SPEED_TOLERANCE:
+            break
+    return list(relative_speeds([1.0 / max(s, 1e-12) for s in best]))
+
+
+def _probe_spans(backends: Sequence[Any]) -> list[list[float]]:
+    """One probe (see :func:`measure_device_speeds`): per device, its timed spans (s) after the warm-up one."""
     operands: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     spans: dict[int, list[tuple[Any, Any]]] = {index: [] for index in range(len(backends))}
     for _ in range(_PROBE_SPANS + 1):
@@ -153,12 +181,9 @@ def measure_device_speeds(backends: Sequence[Any]) -> list[float]:
             with context, backend.stream_context("compute"):
                 backend.launch("compute", probe, label="device speed probe")
             backend.synchronize()
-    shortest = []
-    for index, backend in enumerate(backends):
-        timed = [backend.elapsed_s(start, end) for start, end in spans[index][1:]]  # the first round warms up
-        shortest.append(min(timed) if timed else math.inf)
     operands.clear()
-    return list(relative_speeds([1.0 / max(s, 1e-12) for s in shortest]))
+    return [[backend.elapsed_s(start, end) for start, end in spans[index][1:]]  # the first round warms up
+            for index, backend in enumerate(backends)]
 
 
 def device_stage_budgets(engine: Any) -> list[int | None]:
@@ -321,7 +346,7 @@ def describe_devices(engine: Any) -> str | None:
     if unequal_memory:
         parts.append(f"memory {[None if b is None else round(b / 2**20, 1) for b in budgets]} MiB")
     what = "; ".join(parts) or "equal devices so far"
-    rule = {"auto": "dispatch 'auto': round robin until the profiled steps are over (the device speeds are measured"
+    rule = {"auto": "dispatch 'auto': round robin until the profiled steps are over (GPU speeds are measured"
                     " after the warm-up step), then the simulator compares it with the weighted dispatch and keeps"
                     " the faster",
             "round_robin": "dispatch 'round_robin' (stage k on device k mod D)",
