@@ -1,4 +1,5 @@
-"""The Python steps of ``scripts/gpu_check.sh``: parity, throughput and a CUDA sanitizer run.
+"""The Python steps of ``scripts/gpu_check.sh``: parity, throughput, a CUDA sanitizer run, and the mode
+steps of :mod:`gpu_check_modes` (``dropout_accum``, ``async_steady``, ``fp8_lora``).
 
     python benchmarks/gpu_check.py parity     --json out/parity.json       # bf16-mixed parity with plain Lightning
     python benchmarks/gpu_check.py throughput --json out/throughput.json   # tokens/s, MFU, predicted step, memory
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -124,12 +126,13 @@ class LM(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        trainable = [p for p in self.parameters() if p.requires_grad]  # LoRA: the adapters only
         if self.optimizer_name == "adamw":  # fused: one kernel over all parameters, on the GPU or the host
             try:
-                return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
+                return torch.optim.AdamW(trainable, lr=self.lr, fused=True)
             except RuntimeError:  # a torch without the fused kernel for these parameters' device
-                return torch.optim.AdamW(self.parameters(), lr=self.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+                return torch.optim.AdamW(trainable, lr=self.lr)
+        return torch.optim.SGD(trainable, lr=self.lr, momentum=0.9)
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -320,11 +323,15 @@ def parse_devices(spec: str | None, accelerator: str) -> list[torch.device]:
     return [torch.device(s.strip()) for s in spec.split(",") if s.strip()]
 
 
-def fit(args: argparse.Namespace, model: torch.nn.Module, roundpipe: bool, steps: int, optimizer: str, lr: float,
-        clip: float | None = None, **strategy_kw: Any) -> tuple[LM, Any]:
-    """One ``bf16-mixed`` fit of ``steps`` batches (``gradient_clip_val=clip``); returns the module (moved
-    to the host) and its recorder."""
-    module = LM(model, optimizer, lr)
+def fit(args: argparse.Namespace, model: torch.nn.Module, roundpipe: bool, steps: int, optimizer_name: str, lr: float,
+        clip: float | None = None, batch_size: int | None = None, accumulate_grad_batches: int = 1,
+        **strategy_kw: Any) -> tuple[LM, Any]:
+    """One ``bf16-mixed`` fit of ``steps`` optimizer steps of ``accumulate_grad_batches`` batches of
+    ``batch_size`` rows (default ``args.batch_size``; ``gradient_clip_val=clip``); returns the module
+    (moved to the host) and its recorder. A fit that raises (a CUDA OOM) leaves its module on the host
+    and the caching allocator emptied before the error goes on."""
+    module = LM(model, optimizer_name, lr)
+    batch_size = batch_size or args.batch_size
     if roundpipe:
         recorder: Any = RoundPipeRecorder(args.accelerator)
         strategy: Any = lightning_roundpipe.RoundPipeStrategy(
@@ -336,13 +343,53 @@ def fit(args: argparse.Namespace, model: torch.nn.Module, roundpipe: bool, steps
     trainer = L.Trainer(accelerator=args.accelerator, devices=devices, strategy=strategy, precision="bf16-mixed",
                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder],
-                        gradient_clip_val=clip, log_every_n_steps=1, default_root_dir=args.root_dir)
-    data = DataLoader(RandomTokens(args.batch_size * steps, args.seq_len, args.vocab), batch_size=args.batch_size)
-    trainer.fit(module, data)
-    module.cpu()
-    if args.accelerator == "cuda":
-        torch.cuda.empty_cache()
+                        gradient_clip_val=clip, log_every_n_steps=1, default_root_dir=args.root_dir,
+                        accumulate_grad_batches=accumulate_grad_batches)
+    data = DataLoader(RandomTokens(batch_size * steps * accumulate_grad_batches, args.seq_len, args.vocab),
+                      batch_size=batch_size)
+    try:
+        trainer.fit(module, data)
+    finally:
+        module.cpu()
+        del trainer
+        gc.collect()
+        if args.accelerator == "cuda":
+            torch.cuda.empty_cache()
     return module, recorder
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is a device out-of-memory error (``torch.OutOfMemoryError`` or CUDA's message)."""
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
+    return isinstance(error, oom) or (isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+
+
+def plain_fit(args: argparse.Namespace, make: Any, steps: int, optimizer: str, lr: float,
+              clip: float | None = None) -> tuple[LM, PlainTimer, int, str | None]:
+    """The plain single-device baseline at ``args.batch_size``, halved after each out-of-memory error
+    (down to 1 row): the Qwen3-1.7B-shaped baseline without activation checkpointing peaks around
+    70-75 GiB at batch 4, more than a GPU below 80 GB holds. ``make()`` gives a fresh model copy.
+
+    Returns:
+        ``(module, timer, batch size run, fallback)``: ``fallback`` says what was lowered (``None``:
+        nothing).
+
+    Raises:
+        What the fit raised, when it is not an OOM or the batch is 1 already.
+    """
+    batch, failed = args.batch_size, []
+    while True:
+        try:
+            module, timer = fit(args, make(), False, steps, optimizer, lr, clip, batch_size=batch)
+        except BaseException as error:  # noqa: BLE001 - re-raised unless an OOM with a smaller batch left
+            if batch <= 1 or not is_out_of_memory(error):
+                raise
+            failed.append(batch)
+            batch //= 2
+            continue
+        note = None if not failed else (f"plain single-device run out of memory at batch {', '.join(map(str, failed))};"
+                                        f" ran at batch {batch}")
+        return module, timer, batch, note
 
 
 class Report:
@@ -381,8 +428,11 @@ def check_parity(args: argparse.Namespace, report: Report) -> bool:
     report.update(parameters=sum(p.numel() for p in base.parameters()), steps=args.parity_steps, optimizer="sgd",
                   lr=args.lr, gradient_clip_val=args.clip)
     t0 = time.perf_counter()
-    plain, _ = fit(args, copy.deepcopy(base), False, args.parity_steps, "sgd", args.lr, args.clip)
-    report.update(plain_losses=[float(x) for x in plain.losses], plain_fit_s=time.perf_counter() - t0)
+    plain, _, batch, fallback = plain_fit(args, lambda: copy.deepcopy(base), args.parity_steps, "sgd", args.lr, args.clip)
+    args = copy.copy(args)
+    args.batch_size = batch  # RoundPipe on the batches the baseline ran
+    report.update(plain_losses=[float(x) for x in plain.losses], plain_fit_s=time.perf_counter() - t0,
+                  batch_size=batch, plain_fallback=fallback)
     ref = {k: v.detach().clone() for k, v in plain.model.state_dict().items()}
     del plain
     t0 = time.perf_counter()
@@ -420,11 +470,17 @@ def check_throughput(args: argparse.Namespace, report: Report) -> bool:
     def mfu(step_s: float, n: int) -> dict[str, float | None]:
         return {k: (flops / step_s / (v * n) if v else None) for k, v in peaks.items()}
 
-    _, timer = fit(args, copy.deepcopy(base), False, args.warmup + args.steps, "adamw", args.lr)
+    _, timer, plain_batch, fallback = plain_fit(args, lambda: copy.deepcopy(base), args.warmup + args.steps, "adamw",
+                                                args.lr)
     plain_step = statistics.median(timer.times[args.warmup:])
+    plain_tokens = plain_batch * args.seq_len
+    plain_flops = model_flops_per_step(base, plain_tokens, args.seq_len)
     plain_peak = torch.cuda.max_memory_allocated(devices[0]) / GIB if args.accelerator == "cuda" else None
-    report.update(plain={"step_s": timer.times, "median_step_s": plain_step, "tokens_per_s": tokens / plain_step,
-                         "mfu": mfu(plain_step, 1), "peak_memory_gib": plain_peak})
+    report.update(plain={"step_s": timer.times, "median_step_s": plain_step, "tokens_per_s": plain_tokens / plain_step,
+                         "batch_size": plain_batch, "fallback": fallback,
+                         "mfu": {k: (v * plain_flops / flops if v is not None else None)
+                                 for k, v in mfu(plain_step, 1).items()},
+                         "peak_memory_gib": plain_peak})
     if args.accelerator == "cuda":
         for i in _gpu_indices(devices):
             torch.cuda.reset_peak_memory_stats(i)
@@ -456,10 +512,11 @@ def check_throughput(args: argparse.Namespace, report: Report) -> bool:
                  "logged_mfu_pct": logged_median("roundpipe/mfu(%)"),
                  "peak_memory_gib_per_gpu": gpu_peaks, "logged_peak_memory_gib_per_device": logged_peaks,
                  **overlap}
-    report.update(roundpipe=roundpipe, ratio_roundpipe_over_plain=plain_step / rp_step)
+    report.update(roundpipe=roundpipe,
+                  ratio_roundpipe_over_plain=roundpipe["tokens_per_s"] / report.data["plain"]["tokens_per_s"])
     frac = overlap["hidden_upload_fraction"]
     problems = []
-    if not (_finite(tokens / plain_step) and _finite(tokens / rp_step)):
+    if not (_finite(plain_tokens / plain_step) and _finite(tokens / rp_step)):
         problems.append("a non-finite step time")
     if pred is None:
         problems.append("no roundpipe/predicted_step(s) logged in the timed steps")
@@ -556,6 +613,19 @@ def check_sanitizer(args: argparse.Namespace, report: Report) -> bool:
 
 
 CHECKS = {"parity": check_parity, "throughput": check_throughput, "sanitizer": check_sanitizer}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_check_modes import mode_checks  # noqa: E402
+
+
+
+class _ThisModule:
+    """This module's globals as attributes, read at call time (also when it is loaded from its file path)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return globals()[name]
+
+
+CHECKS.update(mode_checks(_ThisModule()))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -576,6 +646,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0, help="parity: gradient_clip_val (throughput: none; Lightning"
                    " does not clip with a fused optimizer under mixed precision)")
     p.add_argument("--loss-tol", type=float, default=1e-2)
+    p.add_argument("--mode-loss-tol", type=float, default=1e-2, help="dropout_accum, async_steady: loss tolerance")
+    p.add_argument("--fp8-loss-tol", type=float, default=5e-2, help="fp8_lora: fp8 vs compute-dtype frozen weights")
+    p.add_argument("--mode-steps", type=int, default=3, help="optimizer steps of dropout_accum, async_steady, fp8_lora")
     p.add_argument("--update-tol", type=float, default=5e-2)
     p.add_argument("--device-memory-bytes", type=int, default=None,
                    help="RoundPipe's device memory budget (CPU virtual devices: enables the peak memory metric)")

@@ -5,22 +5,32 @@
 #
 #   GPU_CHECK_OUT=/some/folder bash scripts/gpu_check.sh      # default folder: gpu_check_out/
 #
-# Steps (each under `timeout`; a global budget trims the timeouts, keeping time for the later steps):
+# Steps, in this order (each under `timeout`; its time limit, in seconds of the default 530 s budget,
+# in LIMITS below: they add up to the budget, and a step never runs into the time of the steps after
+# it; the measuring steps run first, so a slow install or a hanging test cannot starve them):
 #   preflight       torch importable and torch.cuda.is_available(), else ONE line and exit 3 at once,
 #                   before anything is installed or written (the python on PATH, or $PYTHON)
 #   install         pip install -e ".[test]" with torch pinned to the installed build (never replaces
 #                   torch; falls back to --no-deps plus every other requirement)
+#   throughput      tokens/s of RoundPipe on every GPU and of plain single-GPU Lightning (synchronized),
+#                   MFU, measured vs predicted step, peak memory per GPU, the fraction of weight-upload
+#                   time hidden under compute (CUDA events); random-weight Qwen3-1.7B shape, 4 x 2048
+#                   tokens: the plain baseline (no checkpointing, ~70-75 GiB) halves its batch on OOM
+#                   and says so (`plain.fallback` in the summary)
+#   parity          bf16-mixed RoundPipe vs plain single-GPU Lightning, the same shape: per-step losses
+#                   and the whole parameter update within tolerances (the same OOM fallback, both runs)
+#   throughput_logical  throughput on 2 logical devices of cuda:0 (8 layers of the shape)
+#   dropout_accum   LoRA dropout 0.1, accumulate_grad_batches=2 (overlapped batches) vs the same run
+#                   without overlap (4 layers of the shape, seq 1024)
+#   async_steady    optimizer="async" in its steady state vs "sync" (4 layers, seq 1024)
+#   fp8_lora        LoRA on frozen_weights="fp8" vs frozen weights in bf16 (4 layers, seq 1024)
+#   sanitizer       a tiny model, 2 steps on 2 logical workers of cuda:0 under TORCH_CUDA_SANITIZER=1
 #   pytest_logical  the `gpu`-marked tests of tests/test_gpu.py on 4 logical workers of cuda:0
 #                   (round-robin dispatch and cross-stream event waits on one GPU)
 #   pytest_all      every `gpu`-marked test of tests/ on every GPU
-#   parity          bf16-mixed RoundPipe vs plain single-GPU Lightning, random-weight Qwen3-1.7B
-#                   shape, seq 2048: per-step losses and the whole parameter update within tolerances
-#   throughput      tokens/s of both (synchronized), MFU, measured vs predicted step, peak memory
-#                   per GPU, the fraction of weight-upload time hidden under compute (CUDA events)
-#   sanitizer       a tiny model, 2 steps on 2 logical workers of cuda:0 under TORCH_CUDA_SANITIZER=1
 # Prints each step's exit code and a summary; writes $GPU_CHECK_OUT/log.txt (everything printed),
 # summary.json (rewritten after every step: each step's exit code, status, seconds, timeout, test
-# counts and the Python steps' results) and the steps' own JSON/JUnit files. Exit 0 when every step
+# counts, its main figures, and the Python steps' whole results) and the steps' own JSON/JUnit files. Exit 0 when every step
 # passed, 1 when one failed (or timed out, or found no time left), 3 when CUDA or torch is missing.
 #
 # Settings (environment):
@@ -40,7 +50,10 @@ cd "$ROOT" || exit 2
 OUT=${GPU_CHECK_OUT:-gpu_check_out}
 ACCELERATOR=${GPU_CHECK_ACCELERATOR:-cuda}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-530}
-STEPS=${GPU_CHECK_STEPS:-pytest_logical,pytest_all,parity,throughput,sanitizer}
+ORDER=(install throughput parity throughput_logical dropout_accum async_steady fp8_lora sanitizer pytest_logical pytest_all)
+declare -A LIMITS=([install]=80 [throughput]=110 [parity]=80 [throughput_logical]=45 [dropout_accum]=40
+                   [async_steady]=40 [fp8_lora]=35 [sanitizer]=30 [pytest_logical]=30 [pytest_all]=40)  # sum: 530
+STEPS=${GPU_CHECK_STEPS:-$(IFS=,; echo "${ORDER[*]:1}")}
 PY=${PYTHON:-$(command -v python || command -v python3 || true)}
 
 # ---------------------------------------------------------------- preflight: before anything else
@@ -97,6 +110,30 @@ summarize() {
 import json, os, sys, xml.etree.ElementTree as ET
 out, budget, elapsed, accelerator, environment = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 steps, results = [], {}
+FIGURES = {  # per step, its main figures (dotted paths into its JSON); every step: ok, problems, error
+    "throughput": ["ratio_roundpipe_over_plain", "plain.tokens_per_s", "plain.batch_size", "plain.fallback",
+                   "plain.peak_memory_gib", "roundpipe.tokens_per_s", "roundpipe.median_step_s",
+                   "roundpipe.predicted_step_s", "roundpipe.predicted_vs_measured", "roundpipe.hidden_upload_fraction",
+                   "roundpipe.mfu.datasheet", "roundpipe.mfu.measured_matmul", "roundpipe.peak_memory_gib_per_gpu"],
+    "parity": ["loss_rel_diff", "update_rel_error", "batch_size", "plain_fallback"],
+    "dropout_accum": ["loss_rel_diff", "overlapped.median_step_s", "overlapped.tokens_per_s",
+                      "not_overlapped.median_step_s", "overlapped.peak_memory_gib_per_gpu"],
+    "async_steady": ["first_loss_rel_diff", "step_ratio_async_over_sync", "async_run.tokens_per_s",
+                     "sync_run.tokens_per_s", "async_run.logged_optimizer_wait_s", "async_run.peak_memory_gib_per_gpu"],
+    "fp8_lora": ["loss_rel_diff", "fp8.logged_frozen_matmul_host_bytes_per_param", "fp8.peak_memory_gib_per_gpu",
+                 "compute_dtype.peak_memory_gib_per_gpu", "fp8.tokens_per_s", "compute_dtype.tokens_per_s"],
+    "sanitizer": ["sanitizer.enabled", "sanitizer.runtime_threads_sanitized", "sanitizer.positive_control"],
+}
+FIGURES["throughput_logical"] = FIGURES["throughput"]
+def figures(name, result):
+    out = {}
+    for path in ["ok", "problems", "error"] + FIGURES.get(name, []):
+        value = result
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None or path == "ok":
+            out[path] = value
+    return out
 for row in open(os.path.join(out, "steps.tsv")):
     name, rc, seconds, limit, status, result = (row.rstrip("\n").split("\t") + ["-"] * 6)[:6]
     step = {"name": name, "exit_code": None if rc == "-" else int(rc), "status": status,
@@ -118,6 +155,8 @@ for row in open(os.path.join(out, "steps.tsv")):
             step["tests"] = counts
         except (ET.ParseError, AttributeError, ValueError) as error:
             step["tests"] = {"error": f"unreadable {path}: {error}"}
+    if name in results and isinstance(results[name], dict):
+        step["figures"] = figures(name, results[name])
     steps.append(step)
 failed = [s["name"] for s in steps if s["status"] not in ("ok", "skipped")]
 summary = {"ok": not failed, "failed_steps": failed, "accelerator": accelerator, "environment": environment,
@@ -135,12 +174,23 @@ record() {  # name rc seconds timeout status result-file: one tab-separated row,
   summarize
 }
 
-# run_step NAME TIMEOUT_S RESERVE_S RESULT-FILE CMD...: CMD under `timeout`, at most TIMEOUT_S and
-# never past the budget minus RESERVE_S kept for the later steps (seconds of the default 530 s budget,
-# scaled to GPU_CHECK_BUDGET_S); its exit code is recorded, never fatal
+# the seconds kept for the wanted steps after NAME: their limits, scaled to GPU_CHECK_BUDGET_S
+reserve_after() {
+  local after=0 total=0 sum=0 step
+  for step in "${ORDER[@]}"; do
+    total=$((total + LIMITS[$step]))
+    if ((after)) && want "$step"; then sum=$((sum + LIMITS[$step])); fi
+    [ "$step" = "$1" ] && after=1
+  done
+  echo $((sum * BUDGET_S / total))
+}
+
+# run_step NAME RESULT-FILE CMD...: CMD under `timeout`, at most LIMITS[NAME] seconds and never past
+# the budget minus what the later steps are given (reserve_after); its exit code is recorded, never fatal
 run_step() {
-  local name=$1 limit=$2 reserve=$(($3 * BUDGET_S / 530)) result=$4
-  shift 4
+  local name=$1 limit=${LIMITS[$1]} reserve result=$2
+  reserve=$(reserve_after "$name")
+  shift 2
   local left=$((BUDGET_S - SECONDS - reserve))
   ((left < limit)) && limit=$left
   say ""
@@ -161,7 +211,8 @@ run_step() {
   record "$name" "$rc" $((SECONDS - t0)) "$limit" "$status" "$result"
 }
 
-want() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+want() { [ "$1" = install ] && [ "${GPU_CHECK_SKIP_INSTALL:-0}" != 1 ] && return 0
+         case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 # run as `bash -c install_deps` under `timeout` (which runs programs, not functions)
 install_deps() {
@@ -210,6 +261,8 @@ if [ "$ACCELERATOR" = cpu ]; then
   COMMON=(--accelerator cpu --tiny "${EXTRA[@]}")
   PARITY=(--devices 2)
   THROUGHPUT=(--devices 2 --device-memory-bytes $((256 * 2**20)) --profile-steps 2 --warmup 0 --steps 2)
+  LOGICAL_THROUGHPUT=("${THROUGHPUT[@]}")  # CPU virtual devices are logical devices of one host already
+  MODES=(--devices 2 --warmup 1 --mode-steps 2)
   SANITIZER=(env "$PY" benchmarks/gpu_check.py sanitizer --devices 2)  # the CUDA sanitizer needs CUDA
   LOGICAL=all
   ALL_TESTS=tests/test_gpu.py  # skipped without CUDA: collecting them is the check
@@ -218,6 +271,8 @@ else
   COMMON=(--accelerator cuda "${EXTRA[@]}")
   if ((GPUS > 1)); then PARITY=(--devices all); else PARITY=(--devices cuda:0,cuda:0); fi  # round-robin on one GPU too
   THROUGHPUT=(--devices all)  # every GPU vs plain training on one
+  LOGICAL_THROUGHPUT=(--devices cuda:0,cuda:0 --layers 8 --profile-steps 2 --warmup 1 --steps 2)
+  MODES=(--devices all --layers 4 --seq-len 1024 --warmup 1 --mode-steps 3)
   SANITIZER=(env TORCH_CUDA_SANITIZER=1 "$PY" benchmarks/gpu_check.py sanitizer --tiny --devices cuda:0,cuda:0)
   LOGICAL=cuda:0,cuda:0,cuda:0,cuda:0
   ALL_TESTS=tests/
@@ -232,19 +287,25 @@ else
   export -f install_deps
   export PY OUT
   STEP_DESC="pip install -e \".[test]\" with torch pinned to the installed build"
-  run_step install 150 300 - bash -c install_deps
+  run_step install - bash -c install_deps
 fi
+bench_step() {  # NAME CHECK ARGS...: benchmarks/gpu_check.py CHECK, its JSON as NAME.json
+  local name=$1 check=$2
+  shift 2
+  want "$name" && run_step "$name" "$name.json" "${BENCH[@]}" "$check" "${COMMON[@]}" "$@" --json "$OUT/$name.json"
+}
+bench_step throughput throughput "${THROUGHPUT[@]}"
+bench_step parity parity "${PARITY[@]}"
+bench_step throughput_logical throughput "${LOGICAL_THROUGHPUT[@]}"
+bench_step dropout_accum dropout_accum "${MODES[@]}"
+bench_step async_steady async_steady "${MODES[@]}"
+bench_step fp8_lora fp8_lora "${MODES[@]}"
+want sanitizer && run_step sanitizer sanitizer.json "${SANITIZER[@]}" "${COMMON[@]}" --json "$OUT/sanitizer.json"
 PYTEST=("$PY" -m pytest -q -m gpu -p no:cacheprovider -rfEs)
-want pytest_logical && run_step pytest_logical 100 220 pytest_logical.xml env ROUNDPIPE_GPU_TEST_DEVICES="$LOGICAL" \
+want pytest_logical && run_step pytest_logical pytest_logical.xml env ROUNDPIPE_GPU_TEST_DEVICES="$LOGICAL" \
   "${PYTEST[@]}" tests/test_gpu.py --junitxml="$OUT/pytest_logical.xml"
-want pytest_all && run_step pytest_all 90 180 pytest_all.xml env ROUNDPIPE_GPU_TEST_DEVICES=all \
+want pytest_all && run_step pytest_all pytest_all.xml env ROUNDPIPE_GPU_TEST_DEVICES=all \
   "${PYTEST[@]}" "$ALL_TESTS" --junitxml="$OUT/pytest_all.xml"
-want parity && run_step parity 130 110 parity.json \
-  "${BENCH[@]}" parity "${COMMON[@]}" "${PARITY[@]}" --json "$OUT/parity.json"
-want throughput && run_step throughput 180 45 throughput.json \
-  "${BENCH[@]}" throughput "${COMMON[@]}" "${THROUGHPUT[@]}" --json "$OUT/throughput.json"
-want sanitizer && run_step sanitizer 60 0 sanitizer.json \
-  "${SANITIZER[@]}" "${COMMON[@]}" --json "$OUT/sanitizer.json"
 
 # ---------------------------------------------------------------- summary
 say ""
@@ -267,14 +328,26 @@ if p:
     print(f"  parity: losses plain {[round(x, 4) for x in p.get('plain_losses', [])]}, roundpipe"
           f" {[round(x, 4) for x in p.get('roundpipe_losses', [])]}; update rel. error {fmt(p.get('update_rel_error'))}"
           f" (tol {p.get('update_tol')}); ok {p.get('ok')}")
-t = load("throughput.json")
-if t and "roundpipe" in t:
+for name in ("throughput", "throughput_logical"):
+  t = load(name + ".json")
+  if t and "roundpipe" in t:
     r, b = t["roundpipe"], t.get("plain", {})
-    print(f"  throughput: plain {fmt(b.get('tokens_per_s'), '.0f')} tokens/s, roundpipe {fmt(r.get('tokens_per_s'), '.0f')}"
+    if b.get("fallback"):
+        print(f"  {name}: FALLBACK: {b['fallback']}")
+    print(f"  {name}: plain {fmt(b.get('tokens_per_s'), '.0f')} tokens/s, roundpipe {fmt(r.get('tokens_per_s'), '.0f')}"
           f" tokens/s (x{fmt(t.get('ratio_roundpipe_over_plain'))}); MFU plain {fmt((b.get('mfu') or {}).get('datasheet'))},"
           f" roundpipe {fmt((r.get('mfu') or {}).get('datasheet'))}; step {fmt(r.get('median_step_s'))} s measured,"
           f" {fmt(r.get('predicted_step_s'))} s predicted; upload hidden {fmt(r.get('hidden_upload_fraction'))};"
           f" peak GiB per GPU {r.get('peak_memory_gib_per_gpu')}; ok {t.get('ok')} {t.get('problems') or ''}")
+if p and p.get("plain_fallback"):
+    print(f"  parity: FALLBACK: {p['plain_fallback']}")
+for name, run in (("dropout_accum", "overlapped"), ("async_steady", "async_run"), ("fp8_lora", "fp8")):
+    m = load(name + ".json")
+    if m:
+        r = m.get(run) or {}
+        print(f"  {name}: losses {[round(x, 4) for x in r.get('losses', [])]}; step {fmt(r.get('median_step_s'))} s,"
+              f" {fmt(r.get('tokens_per_s'), '.0f')} tokens/s; peak GiB per GPU {r.get('peak_memory_gib_per_gpu')};"
+              f" ok {m.get('ok')} {m.get('problems') or m.get('error') or ''}")
 s = load("sanitizer.json")
 if s:
     print(f"  sanitizer: {s.get('sanitizer')}; ok {s.get('ok')} {s.get('problems') or ''}")

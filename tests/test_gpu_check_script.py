@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,7 +21,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STEPS = ["pytest_logical", "pytest_all", "parity", "throughput", "sanitizer"]
+STEPS = ["throughput", "parity", "throughput_logical", "dropout_accum", "async_steady", "fp8_lora", "sanitizer",
+         "pytest_logical", "pytest_all"]  # after install, in the script's order: the measuring steps first
 
 
 def _gpu_check():
@@ -122,14 +124,41 @@ def test_script_out_of_budget_records_every_step_as_not_run_and_exits_1(tmp_path
     assert summary["ok"] is False and summary["failed_steps"] == ["install", *STEPS]
     assert all(s["status"] == "not run (budget spent)" and s["exit_code"] is None for s in summary["steps"])
     assert "=== [parity] not run: no time left" in (tmp_path / "out" / "log.txt").read_text()
-    assert "gpu_check: FAILED steps: install pytest_logical" in proc.stdout
+    assert "gpu_check: FAILED steps: install throughput" in proc.stdout
     assert not any("-m pip" in c or "-m pytest" in c for c in calls)
+
+
+def test_script_runs_measuring_steps_first_within_limits_that_sum_to_its_budget(tmp_path):
+    """Every step answered at once by a fake `python`: the steps run in the script's order (the
+    throughput and parity steps before the pytest steps, whatever GPU_CHECK_STEPS says), each under
+    its own time limit, and those limits add up to no more than the 530 s budget; each step's exit
+    code is in the summary."""
+    cases = """  *"-m pytest"*) exit 0 ;;
+  *"gpu_check.py fp8_lora"*) exit 5 ;;
+  *"gpu_check.py"*) exit 0 ;;"""
+    steps = ",".join(reversed(STEPS))
+    proc, _, calls = _run_script(tmp_path, timeout=120, cases=cases, GPU_CHECK_ACCELERATOR="cpu",
+                                 GPU_CHECK_SKIP_INSTALL="1", GPU_CHECK_STEPS=steps)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = _summary(tmp_path)
+    ran = summary["steps"][1:]
+    assert [s["name"] for s in ran] == STEPS
+    assert [(s["exit_code"], s["status"]) for s in ran if s["name"] == "fp8_lora"] == [(5, "failed")]
+    assert summary["failed_steps"] == ["fp8_lora"]  # the steps after it ran all the same
+    assert all(s["exit_code"] == 0 for s in ran if s["name"] != "fp8_lora")
+    script = SCRIPT.read_text()
+    limits = dict(re.findall(r"\[(\w+)\]=(\d+)", script[script.index("declare -A LIMITS"):]))
+    assert sum(map(int, limits.values())) <= summary["budget_s"] == 530 and set(limits) == {"install", *STEPS}
+    assert [s["timeout_s"] for s in ran] == [int(limits[name]) for name in STEPS]  # each got its whole limit
+    benches = [c.split()[2] for c in calls if "gpu_check.py" in c]
+    assert benches == ["throughput", "parity", "throughput", "dropout_accum", "async_steady", "fp8_lora", "sanitizer"]
+    assert "--devices 2" in next(c for c in calls if "gpu_check.py dropout_accum" in c)
 
 
 @pytest.mark.slow
 def test_script_goes_on_after_failed_timed_out_and_unscheduled_steps(tmp_path):
     """`python` answers for the steps: the tests pass, parity exits 3, throughput passes, the sanitizer
-    hangs until its timeout, and the budget leaves nothing for a later step. Every one is reported
+    hangs until its timeout, and the budget leaves nothing for the later steps. Every one is reported
     with its exit code; the script ends with its summary and exit 1."""
     cases = """  *"-m pytest"*) echo "fake pytest: passed"; exit 0 ;;
   *"gpu_check.py parity"*) echo "fake parity: out of tolerance"; exit 3 ;;
@@ -143,13 +172,12 @@ def test_script_goes_on_after_failed_timed_out_and_unscheduled_steps(tmp_path):
     summary = _summary(tmp_path)
     # the script keeps its own order of steps, whatever the order of GPU_CHECK_STEPS
     steps = [(s["name"], s["status"], s["exit_code"]) for s in summary["steps"]]
-    assert steps[:4] == [("install", "skipped", None), ("pytest_logical", "ok", 0),
-                         ("pytest_all", "ok", 0), ("parity", "failed", 3)], steps
-    assert steps[4] == ("throughput", "ok", 0)
-    assert steps[5] == ("sanitizer", "timed out", 124) or steps[5] == ("sanitizer", "not run (budget spent)", None)
+    assert steps[:3] == [("install", "skipped", None), ("throughput", "ok", 0), ("parity", "failed", 3)], steps
+    assert steps[3] == ("sanitizer", "timed out", 124) or steps[3] == ("sanitizer", "not run (budget spent)", None)
+    assert steps[4:] == [("pytest_logical", "not run (budget spent)", None), ("pytest_all", "not run (budget spent)", None)]
     assert summary["ok"] is False and "parity" in summary["failed_steps"] and "sanitizer" in summary["failed_steps"]
     assert "=== [parity] exit code 3 (failed)" in proc.stdout
-    assert "gpu_check: FAILED steps: parity sanitizer" in proc.stdout
+    assert "gpu_check: FAILED steps: parity sanitizer pytest_logical pytest_all" in proc.stdout
 
 
 @pytest.mark.slow
@@ -161,16 +189,23 @@ def test_script_on_cpu_virtual_devices_runs_every_step_past_a_failing_one(tmp_pa
     proc, elapsed, _ = _run_script(tmp_path, timeout=500, **env)
     assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = _summary(tmp_path)
-    assert [(s["name"], s["status"], s["exit_code"]) for s in summary["steps"]] == [
-        ("install", "skipped", None), ("pytest_logical", "ok", 0), ("pytest_all", "ok", 0), ("parity", "failed", 1),
-        ("throughput", "ok", 0), ("sanitizer", "ok", 0)]
-    assert summary["failed_steps"] == ["parity"] and summary["elapsed_s"] <= summary["budget_s"]
-    for step in summary["steps"][1:3]:  # the GPU tests: collected, skipped without CUDA
+    statuses = {s["name"]: (s["status"], s["exit_code"]) for s in summary["steps"]}
+    assert [s["name"] for s in summary["steps"]] == ["install", *STEPS]
+    # the overlapped dropout run: RoundPipe's RNG guard raised there until issue 30's RNG fix (another branch)
+    known = summary["results"].get("dropout_accum", {}).get("error", "").startswith("ValueError: RoundPipe: layer")
+    failing = {"parity", "dropout_accum"} if known else {"parity"}
+    assert statuses["parity"] == ("failed", 1) and statuses["install"] == ("skipped", None)
+    assert all(statuses[name] == ("ok", 0) for name in STEPS if name not in failing), statuses
+    assert summary["failed_steps"] == [n for n in STEPS if n in failing] and summary["elapsed_s"] <= summary["budget_s"]
+    for step in summary["steps"][-2:]:  # the GPU tests: collected, skipped without CUDA
         assert step["tests"]["tests"] > 0 and step["tests"]["failures"] == step["tests"]["errors"] == 0
     results = summary["results"]
     assert results["parity"]["ok"] is False and results["parity"]["loss_tol"] == -1
     assert results["throughput"]["ok"] is True and 0 <= results["throughput"]["roundpipe"]["hidden_upload_fraction"] <= 1
-    assert results["sanitizer"]["ok"] is True
+    assert results["sanitizer"]["ok"] is True and results["throughput_logical"]["ok"] is True
+    for step in summary["steps"][1:-2]:  # every Python step: its figures beside its exit code
+        assert step["figures"]["ok"] is (step["exit_code"] == 0), step
+    assert summary["steps"][1]["figures"]["plain.batch_size"] == 4
     log = (tmp_path / "out" / "log.txt").read_text()
     assert "=== [throughput] exit code 0 (ok)" in log and "  throughput: plain " in log
 
@@ -226,6 +261,83 @@ def test_python_steps_on_cpu_virtual_devices(tmp_path):
     san = json.loads((tmp_path / "sanitizer.json").read_text())
     assert san["ok"] is True and len(san["losses"]) == 2 and all(map(_finite_positive, san["losses"]))
     assert san["sanitizer"]["enabled"] is False and san["sanitizer"]["runtime_threads_sanitized"] == 0
+
+
+def test_mode_steps_on_cpu_virtual_devices(tmp_path):
+    """async_steady and fp8_lora of benchmarks/gpu_check_modes.py, and throughput on 2 logical devices (on
+    CPU virtual devices every device is one: the script's CPU mode runs that step as throughput), in this
+    process, tiny model: the fields the summary takes, with their oracles."""
+    gpu_check = _gpu_check()
+    common = ["--accelerator", "cpu", "--tiny", "--devices", "2", "--root-dir", str(tmp_path / "root"), "--warmup", "1",
+              "--mode-steps", "2"]
+
+    assert gpu_check.main(["async_steady", *common, "--json", str(tmp_path / "async.json")]) == 0
+    run = json.loads((tmp_path / "async.json").read_text())
+    stale, exact = run["async_run"], run["sync_run"]
+    assert run["ok"] is True and run["problems"] == [] and len(stale["losses"]) == len(exact["losses"]) == 2
+    assert run["first_loss_rel_diff"] <= run["loss_tol"] == 1e-2  # both first steps on the initial weights
+    assert stale["losses"][1] != exact["losses"][1]  # the second: async on weights one step stale
+    assert _finite_positive(stale["logged_optimizer_thread_s"]) and stale["logged_optimizer_wait_s"] >= 0
+    for one in (stale, exact):
+        assert _finite_positive(one["median_step_s"]) and one["peak_memory_gib_per_gpu"] is None  # no GPU
+        assert one["tokens_per_s"] == pytest.approx(4 * 32 / one["median_step_s"])
+    assert run["step_ratio_async_over_sync"] == pytest.approx(stale["median_step_s"] / exact["median_step_s"])
+
+    assert gpu_check.main(["fp8_lora", *common, "--json", str(tmp_path / "fp8.json")]) == 0
+    fp8 = json.loads((tmp_path / "fp8.json").read_text())
+    assert fp8["ok"] is True and fp8["frozen_weights"] == "fp8" and len(fp8["fp8"]["losses"]) == 2
+    assert max(fp8["loss_rel_diff"]) <= fp8["loss_tol"] == 5e-2 and fp8["loss_rel_diff"] != [0.0, 0.0]  # fp8 is not bf16
+    assert 1.0 <= fp8["fp8"]["logged_frozen_matmul_host_bytes_per_param"] <= 1.1
+    assert fp8["compute_dtype"]["logged_frozen_matmul_host_bytes_per_param"] >= 2  # bf16 or fp32 frozen weights
+
+
+@pytest.mark.xfail(raises=ValueError, strict=False,
+                   reason="issue 30 item 1: RoundPipe's RNG guard sees the main thread's draws during overlapped"
+                          " runs (fixed on the RNG branch of issue 30; drop this mark once it has landed)")
+def test_dropout_accumulation_step_on_cpu_virtual_devices(tmp_path):
+    """dropout_accum: LoRA dropout 0.1 under overlapped accumulation matches the same run without overlap."""
+    gpu_check = _gpu_check()
+    args = ["dropout_accum", "--accelerator", "cpu", "--tiny", "--devices", "2", "--root-dir", str(tmp_path),
+            "--warmup", "1", "--mode-steps", "2", "--json", str(tmp_path / "dropout.json")]
+    assert gpu_check.main(args) == 0
+    run = json.loads((tmp_path / "dropout.json").read_text())
+    assert run["ok"] is True and len(run["overlapped"]["losses"]) == len(run["not_overlapped"]["losses"]) == 4
+    assert max(run["loss_rel_diff"]) <= run["loss_tol"] == 1e-2
+
+
+def test_plain_baseline_falls_back_to_a_smaller_batch_on_oom(tmp_path, monkeypatch):
+    """The plain single-device run raises CUDA's OOM above 1 row (faked): throughput halves its batch
+    until it fits, reports the batch and the fallback, and computes the plain tokens/s and MFU from
+    the batch it ran; RoundPipe keeps the full batch. Another error is not taken for an OOM."""
+    gpu_check = _gpu_check()
+    real_fit = gpu_check.fit
+    tried = []
+
+    def fit(args, model, roundpipe, steps, optimizer_name, lr, clip=None, batch_size=None, **kw):
+        if not roundpipe:
+            tried.append(batch_size)
+            if batch_size > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (faked)")
+        return real_fit(args, model, roundpipe, steps, optimizer_name, lr, clip, batch_size, **kw)
+
+    monkeypatch.setattr(gpu_check, "fit", fit)
+    common = ["--accelerator", "cpu", "--tiny", "--devices", "2", "--root-dir", str(tmp_path / "root")]
+    assert gpu_check.main(["throughput", *common, "--profile-steps", "2", "--warmup", "0", "--steps", "2",
+                           "--device-memory-bytes", str(256 * 2**20), "--json", str(tmp_path / "throughput.json")]) == 0
+    tp = json.loads((tmp_path / "throughput.json").read_text())
+    plain = tp["plain"]
+    assert tried == [4, 2, 1] and plain["batch_size"] == 1
+    assert plain["fallback"] == "plain single-device run out of memory at batch 4, 2; ran at batch 1"
+    assert plain["tokens_per_s"] == pytest.approx(1 * 32 / plain["median_step_s"])
+    assert tp["tokens_per_step"] == 4 * 32  # RoundPipe's batch
+    assert tp["ratio_roundpipe_over_plain"] == pytest.approx(tp["roundpipe"]["tokens_per_s"] / plain["tokens_per_s"])
+
+    def broken(args, model, roundpipe, *rest, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu_check, "fit", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        gpu_check.main(["parity", *common, "--json", str(tmp_path / "parity.json")])
 
 
 def test_parity_check_fails_outside_its_tolerance(tmp_path):
