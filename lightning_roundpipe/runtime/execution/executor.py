@@ -466,13 +466,13 @@ class Executor(TransferOps):
     def _drop(self, backend: Backend, op: Op, run: ProgramRun) -> int:
         resident = run.resident.pop((op.stage_index, op.round_index))
         spec = run.plan.stages[op.stage_index]
-        if (spec.kind == "forward" or spec.fused) and resident.buffer_pairs and any(
+        saved = self.store.written_back(resident)
+        if (spec.kind == "forward" or spec.fused) and saved and any(
                 self.seq.layers[li].training for li in spec.layers):
-            # buffers (BatchNorm statistics) go down on this stream into pinned host memory, and reach
-            # the masters after the program (no blocking D2H into pageable memory inside the worker)
-            masters = [master for master, _ in resident.buffer_pairs]
-            self._write_back(backend, op, run, resident.buffer_pairs,
-                             lambda host: run.write_backs.extend(zip(masters, host)))
+            # persistent buffers (BatchNorm statistics) go down on this stream into pinned host memory, and
+            # reach the masters after the program (no blocking D2H into pageable memory inside the worker)
+            masters = [master for master, _ in saved]
+            self._write_back(backend, op, run, saved, lambda host: run.write_backs.extend(zip(masters, host)))
         replicas = self.replicas[backend.device_index]
         for li in spec.layers:  # the replicas must not keep the dropped buffer alive
             replicas[li].unbind(resident.layer_tensors(li))

@@ -91,6 +91,13 @@ def autocast_cast_weights(layers: Sequence[nn.Module]) -> set[int]:
     return matmul - other
 
 
+def _persistent(layer: nn.Module, name: str) -> bool:
+    """Whether the buffer ``name`` (qualified within ``layer``) is in its module's ``state_dict``."""
+    owner, _, leaf = name.rpartition(".")
+    module = layer.get_submodule(owner) if owner else layer
+    return leaf not in module._non_persistent_buffers_set
+
+
 def _padded_bytes(entry: "_Tensor") -> int:
     """Bytes a tensor takes in a stage's flat buffer (its upload dtype, or an fp8 weight's codes and
     scales, padded to ``_ALIGN``)."""
@@ -113,6 +120,7 @@ class _Tensor:
     scale: torch.Tensor | None = None
     channel_dim: int = 0
     dequant_dtype: torch.dtype | None = None
+    persistent: bool = True  # a buffer in its module's state_dict (non-persistent: derived, never written back)
 
 
 @dataclass(frozen=True)
@@ -143,7 +151,10 @@ class ResidentStage:
         buffer: the device byte buffer.
         views: per tensor, its typed view into ``buffer``.
         grad_pairs: ``(master, view)`` of the trainable parameters (backward stages).
-        buffer_pairs: ``(master, view)`` of buffers (BatchNorm statistics written back at ``DROP``).
+        buffer_pairs: ``(master, view)`` of buffers (each gets its own device copy after the upload).
+        saved_buffers: per ``buffer_pairs`` entry, whether it is written back at a training forward
+            stage's ``DROP`` (:meth:`WeightStore.written_back`: the persistent buffers, e.g. BatchNorm
+            statistics; non-persistent ones such as rotary ``inv_freq`` are derived and stay on the host).
         accumulator: fp32 sum over microbatches of the gradients of the ``grad_pairs`` whose view is
             narrower than fp32 (``None`` when there are none: their ``view.grad`` is read directly).
         quantised: per position of an fp8 weight (whose view holds its codes), its scales' view and
@@ -160,6 +171,7 @@ class ResidentStage:
     accumulator: GradAccumulator | None = None
     quantised: dict[int, tuple[torch.Tensor, torch.dtype]] = field(default_factory=dict)
     dequantised: dict[int, torch.Tensor] = field(default_factory=dict)
+    saved_buffers: list[bool] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -237,10 +249,13 @@ class WeightStore(FrozenWeights):
             named += [(n, b, False) for n, b in layer.named_buffers(remove_duplicate=False) if b is not None]
             for name, tensor, is_param in named:
                 key = id(tensor)
-                if key not in self.tensors:
+                persistent = is_param or _persistent(layer, name)
+                if key in self.tensors:  # shared under several names: saved if any of them is
+                    self.tensors[key].persistent = self.tensors[key].persistent or persistent
+                else:
                     half = is_param and key in in_compute_dtype and tensor.is_floating_point()
                     dtype = compute_dtype if half else tensor.dtype
-                    self.tensors[key] = entry = _Tensor(tensor, is_param, dtype)
+                    self.tensors[key] = entry = _Tensor(tensor, is_param, dtype, persistent=persistent)
                     try:
                         if key in in_fp8:
                             self._hold_frozen_in_fp8(entry, in_fp8[key], f"`{name}` of layer {index}")
@@ -462,7 +477,7 @@ class WeightStore(FrozenWeights):
         get a :class:`~lightning_roundpipe.runtime.host.grads.GradAccumulator`, summing into
         ``accumulator_buffer`` (``uint8``, at least :meth:`accumulator_numel` fp32 elements: a slot of
         the device's accumulator pool; ``None``: allocated at the first gradient)."""
-        views, grad_pairs, buffer_pairs, quantised = [], [], [], {}
+        views, grad_pairs, buffer_pairs, saved, quantised = [], [], [], [], {}
         for key, offset in zip(layout.tensors, layout.offsets):
             entry = self.tensors[key]
             if entry.block is not None:  # fp8 codes and scales, dequantised when a layer binds them
@@ -478,10 +493,12 @@ class WeightStore(FrozenWeights):
                 grad_pairs.append((entry.master, view))
             elif not entry.is_param:
                 buffer_pairs.append((entry.master, view))
+                saved.append(entry.persistent)
             views.append(view)
         low = [(master, view) for master, view in grad_pairs if needs_fp32_accumulation(view.dtype)]
         accumulator = GradAccumulator(low, accumulator_buffer) if low else None
-        return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs, accumulator, quantised)
+        return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs, accumulator, quantised,
+                             saved_buffers=saved)
 
     @staticmethod
     def own_buffers(resident: ResidentStage) -> None:
@@ -494,6 +511,16 @@ class WeightStore(FrozenWeights):
         owned = {id(view): view.clone() for _, view in resident.buffer_pairs}
         resident.views = [owned.get(id(v), v) for v in resident.views]
         resident.buffer_pairs = [(master, owned[id(view)]) for master, view in resident.buffer_pairs]
+
+    @staticmethod
+    def written_back(resident: ResidentStage) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(master, device copy)`` of the buffers a training forward stage downloads at its ``DROP``:
+        the persistent ones (BatchNorm running statistics, whose native kernel updates them without a
+        version bump, and anything else a checkpoint keeps). Non-persistent buffers (rotary
+        ``inv_freq``, cached masks: derived from the config, left out of ``state_dict``) are never
+        downloaded: the device does not change them, and a download plus write-back per ``DROP``
+        would move their bytes both ways at every step."""
+        return [pair for pair, saved in zip(resident.buffer_pairs, resident.saved_buffers) if saved]
 
     @staticmethod
     def write_back_buffers(resident: ResidentStage) -> None:
