@@ -447,7 +447,7 @@ class RoundPipeEngine:
                 state.acts.clear()
                 if barrier is not None:
                     barrier()
-                    WeightStore.add_grads(list(state.grad_sink.values()), None)
+                    WeightStore.add_grads(list(state.grad_sink.values()), None, staged=False)
                     state.grad_sink = None
                 return self._input_grads(state, flat, sizes)
 

@@ -53,6 +53,7 @@ from lightning_roundpipe.runtime.execution.transfers import TransferOps
 from lightning_roundpipe.runtime.replay.rng import layer_seed, rng_layers, rng_scope  # noqa: F401 (rng_layers: the engine's)
 from lightning_roundpipe.runtime.replay.routing import routing_scope
 from lightning_roundpipe.runtime.execution.run_state import _POLL_S, PipelineState, ProgramRun, _Aborted  # noqa: F401 (PipelineState: the engine's)
+from lightning_roundpipe.runtime.host.pinned import collect as collect_pinned
 from lightning_roundpipe.runtime.host.store import WeightStore
 from lightning_roundpipe.schedule.lower import plan_dispatches
 from lightning_roundpipe.schedule.program import STREAMS, Op, OpKind, StreamProgram
@@ -124,6 +125,7 @@ class Executor(TransferOps):
             backend.close()
         for pool in self._host_pools:
             pool.clear()
+        collect_pinned()
 
     # ------------------------------------------------------------------ driver
     def run(self, program: StreamProgram, state: PipelineState) -> Timeline:
@@ -268,6 +270,7 @@ class Executor(TransferOps):
         if run.profile_marks and run.error is None and self.profiler is not None:
             self._record_profile(run)
         self.peak_grad_bytes = max(self.peak_grad_bytes, run.peak_grad_bytes)
+        collect_pinned()  # blocks the runs dropped (grown keyed blocks...): unregistered here, on this thread
         if run.error is not None:
             run.resident.clear()
             run.slots.clear()

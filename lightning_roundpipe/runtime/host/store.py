@@ -571,16 +571,22 @@ class WeightStore(FrozenWeights):
         return total
 
     @staticmethod
-    def add_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], sink: dict | None) -> int:
+    def add_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], sink: dict | None, staged: bool = True) -> int:
         """Add host gradients into ``master.grad`` (cast to the master's dtype), or into
         ``sink[id(master)] = (master, grad)`` (the fused path's CPU gradient buffers).
+
+        With ``staged`` (the gradients are views of host staging blocks, pinned on CUDA), a gradient that
+        is kept rather than added is copied first (ordinary memory): a ``.grad`` viewing a staging block
+        would keep the block from the next program, which then pins another (Lightning's
+        ``zero_grad`` runs after ``training_step``, so every step would pin a second set of blocks).
 
         Returns:
             Bytes of the new ``sink`` entries (host gradient buffers kept until the loss's backward).
         """
         retained = 0
         for master, grad in pairs:
-            grad = grad.to(master.dtype)
+            kept = master.grad is None if sink is None else id(master) not in sink
+            grad = grad.to(master.dtype, copy=staged and kept)
             if sink is not None:
                 entry = sink.get(id(master))
                 if entry is None:
