@@ -27,6 +27,7 @@ Lightning's training loop:
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -243,15 +244,39 @@ class AsyncOptimizer:
 
     def _refresh(self) -> None:
         store = self.engine.store
-        if self.steady:  # into the bank no run in flight reads
+        if self.steady:  # into the bank no run in flight reads, off the main thread
             target = 1 - store.read_bank
             if any(run.shadow_bank == target and not run.done for run in self.engine.executor.in_flight):
                 raise RuntimeError("RoundPipe: a weight snapshot refresh would overwrite the bank a running"
                                    " pipeline uploads from (internal error; please report it).")
-            store.refresh_snapshot()
+            self._refresh_on_thread(store)
         else:
             store.refresh(force=True)
         self._snapshot_lag = 0
+
+    def _refresh_on_thread(self, store: Any) -> None:
+        """The steady state's snapshot refresh (DESIGN.md section 4: it runs off the main thread, per
+        tensor in upload order, with an event per tensor): the bank flips now, the copies run on the
+        optimizer thread ahead of the next optimizer step (which changes the masters only after
+        them), and a run reading the bank waits in each stage's first upload for its tensors' events
+        (``WeightStore.refresh_events``)."""
+        bank, keys = store.begin_snapshot_refresh()
+        events = {key: threading.Event() for key in keys}
+        store.refresh_events = (bank, events)
+
+        def release() -> None:
+            for event in events.values():
+                event.set()
+
+        def refresh() -> None:
+            try:
+                for key in keys:
+                    store.copy_to_bank(key, bank)
+                    events[key].set()
+            finally:
+                release()  # a failed copy raises at the next wait; the uploads must not hang meanwhile
+
+        self.stepper.submit(refresh, "weight snapshot refresh", on_skip=release)
 
     # ------------------------------------------------------------------ steady state
     def _before_program(self) -> None:

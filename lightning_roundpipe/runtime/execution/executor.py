@@ -188,6 +188,9 @@ class Executor(TransferOps):
         run = ProgramRun(program, state, len(self.backends), bank)
         run.master_grad_bytes = self.store.grad_bytes()  # main thread (see TransferOps._master_grad_bytes)
         run.shadow_bank = self.store.read_bank  # its uploads read this snapshot bank to the end
+        pending = self.store.refresh_events  # a snapshot refresh off the main thread (asynchronous steady state)
+        if pending is not None and pending[0] == run.shadow_bank:
+            run.refreshed.update({key: event for key, event in pending[1].items() if not event.is_set()})
         self._current = weakref.ref(run)
         for backend in self.backends:
             backend.begin()

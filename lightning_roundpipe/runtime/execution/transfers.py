@@ -208,7 +208,8 @@ class TransferOps:
                         seen.add(key)
                         order.append(key)
         order += [key for key in stale if key not in seen]
-        run.refreshed = {key: threading.Event() for key in order}
+        events = {key: threading.Event() for key in order}
+        run.refreshed.update(events)
 
         def refresh() -> None:
             try:
@@ -216,11 +217,11 @@ class TransferOps:
                     if run.abort.is_set():
                         return
                     self.store.refresh_entry(key)
-                    run.refreshed[key].set()
+                    events[key].set()
             except BaseException as error:
                 run.fail(error, "RoundPipe: host weight refresh (master -> upload copy)")
             finally:
-                for event in run.refreshed.values():
+                for event in events.values():
                     event.set()
 
         return self.refresher.submit(refresh)

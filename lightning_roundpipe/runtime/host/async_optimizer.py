@@ -72,16 +72,18 @@ class BackgroundStepper:
         """Whether a job was submitted and not yet waited for (by the caller, not by the thread)."""
         return bool(self._done)
 
-    def submit(self, fn: Callable[[], object], description: str = "job") -> None:
+    def submit(self, fn: Callable[[], object], description: str = "job",
+               on_skip: Callable[[], object] | None = None) -> None:
         """Queue ``fn()`` behind the jobs already queued and return at once.
 
         After a job raised, the jobs queued behind it are skipped (the error is re-raised by the
-        next :meth:`wait`).
+        next :meth:`wait`); a skipped job's ``on_skip()`` runs instead (on the thread).
 
         Args:
             fn: the job (e.g. ``optimizer.step``).
             description: what the job is, for the note added to its exception
                 (``"optimizer step 12"``).
+            on_skip: called instead of ``fn`` when the job is skipped (e.g. to set events others wait for).
 
         Raises:
             RuntimeError: when the thread was closed.
@@ -91,6 +93,8 @@ class BackgroundStepper:
 
         def job() -> None:
             if self._error is not None:
+                if on_skip is not None:
+                    on_skip()
                 return
             start = time.perf_counter()
             try:

@@ -46,6 +46,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -238,6 +239,9 @@ class WeightStore(FrozenWeights):
         self.read_bank = 0
         """The snapshot bank (0 or 1) the runs started from now on upload from (:meth:`refresh_snapshot`);
         always 0 outside the asynchronous steady state."""
+        self.refresh_events: tuple[int, dict[int, threading.Event]] | None = None
+        """A snapshot refresh running off the main thread (:meth:`begin_snapshot_refresh`): its bank and,
+        per tensor key, the event set once that tensor's copy is in the bank (the uploads wait for it)."""
         self.tensors: dict[int, _Tensor] = {}
         # (name, master key) per layer, captured once in the main thread: workers never read the modules' attributes
         self.entries: list[list[tuple[str, int]]] = []
@@ -346,11 +350,12 @@ class WeightStore(FrozenWeights):
 
     def refresh_snapshot(self) -> int:
         """Asynchronous steady state (DESIGN.md section 11): copy every master that has a shadow copy
-        into the snapshot bank no run reads now (``1 - read_bank``) and make it :attr:`read_bank`.
-        A run keeps the bank it started with, so the run still draining uploads the previous weights
-        while the next one uploads these. The caller guarantees that the run which last read the
-        target bank has finished and that no optimizer step is in flight. Each shadow copy exists
-        twice (bytes: twice the trainable parameters in the upload dtype).
+        into the snapshot bank no run reads now (``1 - read_bank``) and make it :attr:`read_bank`, in
+        the calling thread (:meth:`begin_snapshot_refresh` and :meth:`copy_to_bank` do it in two
+        parts, the copies on another thread). A run keeps the bank it started with, so the run still
+        draining uploads the previous weights while the next one uploads these. The caller guarantees
+        that the run which last read the target bank has finished and that no optimizer step is in
+        flight. Each shadow copy exists twice (bytes: twice the trainable parameters in the upload dtype).
 
         Returns:
             Bytes copied.
@@ -358,28 +363,42 @@ class WeightStore(FrozenWeights):
         Raises:
             ValueError: a frozen parameter held in the compute dtype was unfrozen.
         """
+        bank, keys = self.begin_snapshot_refresh()
+        return sum(self.copy_to_bank(key, bank) for key in keys)
+
+    def begin_snapshot_refresh(self) -> tuple[int, list[int]]:
+        """The main thread's part of :meth:`refresh_snapshot`: make the other bank :attr:`read_bank` and
+        return it with the keys whose copies it needs, in layer order (the order the forward stages
+        upload them). Until :meth:`copy_to_bank` has run for a key, a run reading the bank must wait
+        (:attr:`refresh_events`, set up by the caller).
+
+        Raises:
+            ValueError: a frozen parameter held in the compute dtype was unfrozen.
+        """
         self.stale_entries(force=True)  # sets up the entries that need no copy (their master serves)
         # every copy, whatever its version counter says: a fused optimizer step on the optimizer thread
         # bumps none (see `mark_stale`)
-        keys = [key for key, entry in self.tensors.items() if entry.block is None and self._needs_copy(entry)]
-        bank, copied = 1 - self.read_bank, 0
-        for key in keys:
-            if bank == 0:
-                copied += self.refresh_entry(key)
-                continue
-            entry = self.tensors[key]
-            master = entry.master.detach()
-            if entry.spare is None or entry.spare.shape != master.shape:
-                entry.spare = pinned_empty(master.shape, entry.dtype, pin=self.pin_memory)
-            entry.spare.copy_(master)
-            copied += entry.spare.numel() * entry.spare.element_size()
-        self.read_bank = bank
-        return copied
+        keys = list(dict.fromkeys(key for entries in self.entries for _, key in entries
+                                  if self.tensors[key].block is None and self._needs_copy(self.tensors[key])))
+        self.read_bank = 1 - self.read_bank
+        return self.read_bank, keys
+
+    def copy_to_bank(self, key: int, bank: int) -> int:
+        """Copy one master into its snapshot ``bank`` copy (the shadow for 0, the spare for 1; pinned on
+        CUDA); returns the bytes copied. Any thread, while no optimizer step changes the master."""
+        if bank == 0:
+            return self.refresh_entry(key)
+        entry = self.tensors[key]
+        master = entry.master.detach()
+        if entry.spare is None or entry.spare.shape != master.shape:
+            entry.spare = pinned_empty(master.shape, entry.dtype, pin=self.pin_memory)
+        entry.spare.copy_(master)
+        return entry.spare.numel() * entry.spare.element_size()
 
     def end_snapshot(self) -> None:
         """Leave :attr:`snapshot` mode: one bank again, the second bank's copies freed, every shadow
         copy stale (the next run copies it from its master)."""
-        self.snapshot, self.read_bank = False, 0
+        self.snapshot, self.read_bank, self.refresh_events = False, 0, None
         for entry in self.tensors.values():
             entry.spare = None
             if entry.shadow is not None and entry.shadow.data_ptr() != entry.master.data_ptr():
