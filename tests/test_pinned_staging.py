@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import lightning_roundpipe
-from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, loader, tiny_hf, tiny_mlp, trainer
+from _helpers import CausalLMModule, MLPModule, TokenData, VectorData, loader, tiny_hf, trainer
 from lightning_roundpipe.runtime.host import pinned
 
 
