@@ -139,7 +139,7 @@ def report(args: argparse.Namespace, results: dict, label: str) -> None:
           f" ({args.layers} layers, hidden {args.hidden}), batch {args.batch_size} x {args.seq_len} tokens,"
           f" {args.microbatches} microbatches, default partition; medians over {args.steps} steps")
     print(f"{'dispatch':<12} {'measured s/step':>16} {'predicted s/step':>17} {'measured/predicted':>19}"
-          f"  stage dispatches per device  measured speeds")
+          f"  stage dispatches per device  speeds")
     measured = {}
     predicted = {}
     for rule, metrics in results.items():
@@ -148,7 +148,8 @@ def report(args: argparse.Namespace, results: dict, label: str) -> None:
         engine = metrics.engine
         plan = engine.plan(engine._last_call[0], 0, fused=engine._last_call[1])
         loads = [sum(1 for a in actions if a.kind.value == "LOAD") for actions in plan.actions]
-        speeds = [round(s, 3) for s in getattr(engine, "measured_device_speeds", []) or []]
+        # CPU virtual devices run at their configured speeds (no probe); GPUs at the measured ones
+        speeds = [round(s, 3) for s in (getattr(engine, "measured_device_speeds", None) or engine.device_speeds or [])]
         print(f"{rule:<12} {measured[rule]:>16.3f} {predicted[rule]:>17.3f} {measured[rule] / predicted[rule]:>19.3f}"
               f"  {loads!s:<27}  {speeds}")
     print(f"weighted speed-up over round robin: measured {measured['round_robin'] / measured['weighted']:.2f}x"
