@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from lightning_roundpipe.runtime.backends.budget import host_side
 from lightning_roundpipe.runtime.backends.checker import Access
 from lightning_roundpipe.runtime.backends.pool import SlotPool, StagePool, pack
 from lightning_roundpipe.runtime.execution.devices import StreamThread
@@ -249,8 +250,10 @@ class Backend(abc.ABC):
         """
 
     def allocate_host_bytes(self, nbytes: int) -> torch.Tensor:
-        """A new host staging block of ``nbytes`` bytes (``uint8``; exact size, pinned on CUDA)."""
-        return torch.empty(nbytes, dtype=torch.uint8)
+        """A new host staging block of ``nbytes`` bytes (``uint8``; exact size, pinned on CUDA); made inside
+        a ``d2h`` op too, where a CPU virtual device's memory ledger must not count it (host memory)."""
+        with host_side():
+            return torch.empty(nbytes, dtype=torch.uint8)
 
     def pop_step_memory_peak(self) -> int | None:
         """Most bytes allocated on the device at once since the last call, bytes (CUDA: the caching

@@ -1,0 +1,169 @@
+"""The runtime's side of the one memory model (issue 30): its inputs from the weight store and the program,
+each device's budget, and the check of every partition before the first step.
+
+:func:`predicted_peaks` fills :func:`~lightning_roundpipe.partition.memory.device_peaks` with what the
+runtime will allocate: per stage its packed upload (a stage weight slot), its fp32 accumulator, its fp8
+weights' dequantised copies (compute dtype) and fp32 transient, read from the
+:class:`~lightning_roundpipe.runtime.host.store.WeightStore`; the transfer slots of the program's own
+slot assignment (:func:`~lightning_roundpipe.schedule.buffers.device_slots`) sized to the stage
+boundaries; and, for a Hugging Face causal LM, each layer's activations from the cost model
+(:meth:`~lightning_roundpipe.partition.costmodel.CostModel.layer_costs` at the batch's rows and length;
+other models: boundaries only). :func:`check_budgets` compares them with each device's budget
+(:meth:`~lightning_roundpipe.runtime.backends.base.Backend.device_budget_bytes`: ``device_memory_bytes`` on
+CPU virtual devices, measured free memory less a margin on CUDA) and raises
+:class:`PlanMemoryError` naming the device, the stage and the bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from lightning_roundpipe.partition.memory import DevicePeak, StageBytes, aligned, device_peaks
+from lightning_roundpipe.partition.profile import LayerProfile
+from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError
+from lightning_roundpipe.schedule.buffers import device_slots
+
+
+class PlanMemoryError(DeviceMemoryError):
+    """A partition whose modelled peak does not fit a device's budget, raised before the first step
+    (an out-of-memory error: ``torch.OutOfMemoryError``, so ``max-seq``'s search treats it as one).
+
+    Attributes (beyond :class:`DeviceMemoryError`'s): ``peak`` (the :class:`DevicePeak`).
+    """
+
+    def __init__(self, peak: DevicePeak, budget_bytes: int, stage: str = "", banks: int = 1) -> None:
+        self.peak, self.stage, self.banks = peak, stage, banks
+        self.device_index, self.where = peak.device_index, stage
+        self.asked_bytes, self.in_use_bytes, self.budget_bytes = peak.peak_bytes, 0, budget_bytes
+        parts = ", ".join(f"{name} {nbytes}" for name, nbytes in peak.parts.items() if nbytes)
+        torch.OutOfMemoryError.__init__(
+            self,
+            f"RoundPipe: the partition does not fit device {peak.device_index}: its modelled peak is {peak.peak_bytes}"
+            f" bytes ({parts}; {banks} pool bank(s)) against a budget of {budget_bytes} bytes; the largest working set is"
+            f" stage {peak.stage_index} ({stage}). HINT: use smaller stages (`partition='auto'`, or `forward_stages` /"
+            " `backward_stages` with fewer layers each), fewer rows per microbatch (`num_microbatches`), shorter"
+            " sequences, `overlap_batches=False` (one pool bank), or a larger `device_memory_bytes`; `roundpipe plan`"
+            " prints the same model.")
+
+    def __reduce__(self):
+        return type(self), (self.peak, self.budget_bytes, self.stage, self.banks)
+
+
+def _autocast_copies(store: Any, layers: Sequence[torch.nn.Module], autocast_bytes: int | None) -> int:
+    """Bytes of the compute-dtype casts autocast makes of the fp32-uploaded matmul weights of ``layers``
+    (a tied embedding used as the LM head under mixed precision), held while the stage computes."""
+    if not autocast_bytes or autocast_bytes >= 4:
+        return 0
+    seen, total = set(), 0
+    for layer in layers:
+        for module in layer.modules():
+            weight = getattr(module, "weight", None) if isinstance(module, torch.nn.Linear) else None
+            entry = store.tensors.get(id(weight)) if weight is not None else None
+            if entry is not None and entry.block is None and entry.dtype == torch.float32 and id(weight) not in seen:
+                seen.add(id(weight))
+                total += aligned(weight.numel() * autocast_bytes)
+    return total
+
+
+def stage_bytes(store: Any, stages: Sequence[Any], layers: Sequence[torch.nn.Module] | None = None,
+                autocast_bytes: int | None = None) -> list[StageBytes]:
+    """Per stage (a :class:`~lightning_roundpipe.schedule.plan.StageSpec`), its pool and dequantisation bytes
+    as the runtime allocates them (see the module docstring); with ``layers`` (the sequence's modules) and
+    ``autocast_bytes`` (the autocast dtype's size), the autocast casts of fp32 matmul weights count with
+    the dequantised copies."""
+    out = []
+    for spec in stages:
+        layout = store.layout(spec.layers)
+        dequantised = _autocast_copies(store, [layers[i] for i in spec.layers], autocast_bytes) if layers else 0
+        transient = 0
+        for key in layout.tensors:
+            entry = store.tensors[key]
+            if entry.block is not None:
+                numel = entry.master.numel()
+                dequantised += aligned(numel * entry.dequant_dtype.itemsize)
+                transient = max(transient, aligned(numel * 4))
+        accumulate = store.accumulator_numel(spec.layers) * 4 if spec.kind == "backward" else 0
+        out.append(StageBytes(weight_bytes=layout.total_bytes, accumulator_bytes=accumulate,
+                              dequantised_bytes=dequantised, dequant_transient_bytes=transient))
+    return out
+
+
+def layer_profiles(seq: Any, store: Any, rows: int, seq_len: int, compute_bytes: int,
+                   ) -> tuple[list[LayerProfile], list[int] | None]:
+    """Per layer of ``seq``, a :class:`LayerProfile` with the store's bytes (weights as uploaded,
+    gradients of the trainable ones in their upload dtype) and, for a Hugging Face causal LM whose
+    sequence is prefix, decoders, tail, the cost model's activations at ``rows`` x ``seq_len`` tokens;
+    and the saved activation bytes (``None``: the model is not one the cost model knows)."""
+    num_layers = len(seq.layers)
+    costs = None
+    config = getattr(seq.target, "config", None)
+    if config is not None:
+        try:
+            from lightning_roundpipe.partition.costmodel import CostModel, ModelShape
+
+            shape = ModelShape.from_config(config)
+            if shape.num_hidden_layers + 2 == num_layers:
+                costs = CostModel().layer_costs(shape, seq_len=seq_len, microbatch_size=rows,
+                                                compute_dtype_bytes=compute_bytes)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            costs = None
+    profiles = []
+    for index in range(num_layers):
+        layout = store.layout(range(index, index + 1))
+        trainable = sum(aligned(store.tensors[k].master.numel() * store.tensors[k].dtype.itemsize)
+                        for k in layout.tensors if store.tensors[k].is_param and store.tensors[k].master.requires_grad)
+        activation = costs[index].activation_bytes if costs is not None else 0
+        profiles.append(LayerProfile(forward_s=0.0, backward_s=0.0, param_bytes=layout.total_bytes,
+                                     activation_bytes=activation, trainable_param_bytes=trainable))
+    saved = [c.saved_activation_bytes for c in costs] if costs is not None else None
+    return profiles, saved
+
+
+def transfer_bytes(program: Any, boundary: Sequence[int]) -> int:
+    """One bank's transfer slots on a device: per slot of the program's assignment, the largest
+    boundary put there (a stage input: ``boundary[first layer]``; an incoming gradient: of the layer
+    after its last), the same slots on every device."""
+    sizes: dict[int, int] = {}
+    for plan in device_slots(program):
+        for (kind, stage_index, _), slot in plan.slots.items():
+            layers = program.plan.stages[stage_index].layers
+            layer = layers.start if kind == "in" else layers.stop
+            sizes[slot] = max(sizes.get(slot, 0), boundary[layer] if layer < len(boundary) else 0)
+    return sum(sizes.values())
+
+
+def predicted_peaks(seq: Any, store: Any, program: Any, *, rows: int, seq_len: int, banks: int,
+                    compute_bytes: int = 4) -> list[DevicePeak]:
+    """The modelled per-device peak of ``program`` (a stream program of the engine's partition) with
+    ``rows`` sequences of ``seq_len`` tokens per microbatch and ``banks`` pool banks, bytes."""
+    plan = program.plan
+    profiles, saved = layer_profiles(seq, store, rows, seq_len, compute_bytes)
+    tokens = rows * seq_len
+    # a boundary carries the hidden states (fp32 residual stream) and the 2D mask and positions (int64)
+    boundary = [aligned(p.activation_bytes * 4 // compute_bytes) + 2 * aligned(tokens * 8) if p.activation_bytes else 0
+                for p in profiles]
+    stages = [("fused" if s.fused else s.kind, s.layers) for s in plan.stages]
+    runs = [{action.stage_index for action in actions} for actions in plan.actions]  # what each device computes
+    autocast = compute_bytes if compute_bytes < 4 else None
+    return device_peaks(profiles, stages, len(plan.actions), saved_activation_bytes=saved,
+                        stage_bytes=stage_bytes(store, plan.stages, seq.layers, autocast),
+                        transfer_bytes=transfer_bytes(program, boundary), banks=banks, slots=max(program_slots(plan), 1),
+                        stage_devices=[[d for d, mine in enumerate(runs) if k in mine] for k in range(len(stages))])
+
+
+def program_slots(plan: Any) -> int:
+    """Stage weight slots per device the runtime reserves for ``plan`` (its pool assignment)."""
+    from lightning_roundpipe.runtime.backends.pool import pool_slots
+
+    return max(pool_slots(plan).values(), default=-1) + 1
+
+
+def check_budgets(peaks: Sequence[DevicePeak], budgets: Sequence[int | None], plan: Any, banks: int) -> None:
+    """Raise :class:`PlanMemoryError` for the first device whose modelled peak exceeds its budget
+    (``None``: unlimited)."""
+    for peak, budget in zip(peaks, budgets):
+        if budget is not None and peak.peak_bytes > budget:
+            stage = plan.stages[peak.stage_index].describe() if peak.stage_index is not None else ""
+            raise PlanMemoryError(peak, budget, stage, banks)
