@@ -67,7 +67,7 @@ def test_out_of_memory_leaves_nothing_behind_and_the_next_step_is_right():
     engine = _engine(model, 64 * MiB)
     try:
         long_ids = torch.randint(0, 49152, (2, 256))
-        with pytest.raises(DeviceMemoryError, match="ran out of its"):
+        with pytest.raises(DeviceMemoryError, match="ran out of its|does not fit device"):  # the memory model checks first
             model(input_ids=long_ids, labels=long_ids)
         gc.collect()  # the failed step's traceback holds reference cycles
         assert all(b.memory.in_use_bytes == b.pool_bytes for b in engine.backends)
@@ -94,7 +94,7 @@ def test_max_seq_agrees_with_the_planner_within_20_percent():
     assert r.measured > 0 and r.first_failing is not None  # the budget was reached
     assert r.measured_peak_bytes <= r.device_memory_bytes
     assert abs(r.planned - r.measured) <= 0.2 * r.measured, r
-    assert any(not ran for _, ran in r.trials) and "ran out of its" in r.error
+    assert any(not ran for _, ran in r.trials) and ("ran out of its" in r.error or "does not fit device" in r.error)
 
 
 def test_cli_requires_a_budget_on_cpu(capsys):

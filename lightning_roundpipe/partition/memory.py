@@ -15,12 +15,14 @@ What a device holds while it runs a step, as the runtime allocates it
   pool): the gradients autograd holds on the device, the recompute activations of a backward stage (or
   the largest layer's input and output of a forward one; the fused tail's logits chunks are in the
   tail's saved bytes), and, with ``frozen_weights="fp8"``, the stage's **dequantised copies** (the
-  compute dtype, held until the stage is dropped) plus the fp32 transient of the largest one.
+  compute dtype, held until the stage is dropped, so the previous stage's may still be there) plus the
+  fp32 transient of the largest one; under mixed precision, autocast's casts of fp32 matmul weights.
 
 So, for a device ``d``::
 
     peak(d) = banks * (slots * max_k weights(k) + slots * max_k accumulator(k) + transfers)
-              + max_k (stage_memory(k) - params(k) + dequantised(k)) + max_k dequant_transient(k)
+              + max_k (stage_memory(k) - params(k) + dequantised(k) + casts(k))
+              + max_{j != k} dequantised(j) + max_k dequant_transient(k)
 
 over the stages ``k`` that ``d`` may run (every stage: a rotated plan moves stages between devices; the
 weighted dispatch on devices of unequal memory keeps some off a device). The CPU virtual devices' memory
@@ -54,12 +56,15 @@ class StageBytes:
             backward stages only).
         dequantised_bytes: its fp8 weights' dequantised copies in the compute dtype.
         dequant_transient_bytes: the fp32 transient of its largest fp8 weight's dequantisation.
+        cast_bytes: compute-dtype casts autocast makes of its fp32 matmul weights (a tied embedding as
+            the LM head under mixed precision), held while one of its ops runs.
     """
 
     weight_bytes: int | None = None
     accumulator_bytes: int = 0
     dequantised_bytes: int = 0
     dequant_transient_bytes: int = 0
+    cast_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,7 +138,8 @@ def device_peaks(
         params = sum(profiles[i].param_bytes for i in layers)
         weights.append(params if extra.weight_bytes is None else extra.weight_bytes)
         accumulators.append(extra.accumulator_bytes if kind != "forward" else 0)
-        working.append(stage_memory(profiles, layers, kind, saved_activation_bytes) - params + extra.dequantised_bytes)
+        working.append(stage_memory(profiles, layers, kind, saved_activation_bytes) - params + extra.dequantised_bytes
+                       + extra.cast_bytes)
         transients.append(extra.dequant_transient_bytes)
     if slots is None:
         slots = 2 if len(stages) > num_devices else 1  # a device that runs one stage never prefetches
@@ -147,7 +153,10 @@ def device_peaks(
         accumulator_pool = slots * max(accumulators[k] for k in mine)
         pool = banks * (weight_pool + accumulator_pool + transfer_bytes)
         largest = max(mine, key=lambda k: working[k])
-        transient = max(transients[k] for k in mine)
+        # the stage before it on the device keeps its dequantised copies until its DROP, which may follow
+        # the next stage's first op; and one fp32 transient of a dequantisation
+        previous = max((extras[k].dequantised_bytes for k in mine if k != largest), default=0)
+        transient = previous + max(transients[k] for k in mine)
         parts = {"stage weights": banks * weight_pool, "accumulators": banks * accumulator_pool,
                  "transfers": banks * transfer_bytes, "working set": working[largest] - extras[largest].dequantised_bytes,
                  "dequantised": extras[largest].dequantised_bytes + transient}

@@ -271,6 +271,13 @@ class Backend(abc.ABC):
     def elapsed_s(self, start: Any, end: Any) -> float:
         """Seconds between two :meth:`mark` s (device time on CUDA)."""
 
+    def device_budget_bytes(self) -> int | None:
+        """Bytes this device may hold at once, for the memory model's check before a program runs
+        (:mod:`~lightning_roundpipe.runtime.tuning.device_memory`): a CPU virtual device's
+        ``device_memory_bytes`` (``None``: unlimited); CUDA: measured free memory less a margin."""
+        ledger = getattr(self, "memory", None)
+        return None if ledger is None else ledger.budget_bytes
+
     def measured_stage_budget(self) -> int | None:
         """Bytes one stage may use on this device, measured after the profiled steps (CUDA); ``None``
         where the budget is given instead (CPU virtual devices: ``device_memory_bytes // 2``)."""

@@ -199,6 +199,14 @@ class CudaBackend(Backend):
         usable = free + torch.cuda.memory_reserved(self.device) - others - margin
         return max(0, usable // 2)
 
+    def device_budget_bytes(self) -> int:
+        """Bytes this process may hold on the GPU: free memory (``torch.cuda.mem_get_info``) plus what
+        torch's allocator already reserves (the pools among it), less a margin of ``max(512 MiB, 5 %
+        of the card)`` for fragmentation, the CUDA context's growth and cuBLAS workspaces."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        margin = max(512 * 2**20, total // 20)
+        return max(0, free + torch.cuda.memory_reserved(self.device) - margin)
+
     def allocate_bytes(self, nbytes: int, what: str | None = None) -> torch.Tensor:
         # the pool keeps the buffer for the run; reuse is ordered by the program's edges (DROP -> LOAD
         # for stage slots, reader -> refill for transfer slots), so no record_stream (which would keep

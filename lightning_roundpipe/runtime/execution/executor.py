@@ -90,6 +90,11 @@ class Executor(TransferOps):
         self.one_bank: str | None = None
         """Why programs no longer overlap (the second pool bank did not fit in a device's memory: the
         error), else ``None``."""
+        self.memory_check: Callable[[StreamProgram, PipelineState, int], str | None] | None = None
+        """Main thread, before a program's pools are reserved: ``(program, state, banks) -> reason`` checks
+        the memory model's per-device peak with ``banks`` pool banks against each device's budget; returns
+        why a second bank does not fit (the run then uses one), or raises when one does not
+        (:func:`~lightning_roundpipe.runtime.tuning.device_memory.check_budgets`)."""
         self.peak_grad_bytes = 0  # most bytes of gradients (.grad and host buffers) at once since the last pop
         self.grads_final_hook: Callable[[range, dict | None], None] | None = None
         """Host thread, after a backward stage's last dispatch of the program added its gradients
@@ -160,8 +165,13 @@ class Executor(TransferOps):
             while self.in_flight:
                 self.finish(self.in_flight[0])
         bank = 1 - self.in_flight[-1].bank if self.in_flight else 0
+        if self.memory_check is not None:  # the memory model, before anything of this program is allocated
+            reason = self.memory_check(program, state, 2 if bank == 1 or len(self.backends[0].banks) > 1 else 1)
+            if reason is not None and self.in_flight:
+                self.one_bank = reason
         try:
-            self._reserve_pools(program, state.keep, bank)
+            if self.one_bank is None or bank == 0:
+                self._reserve_pools(program, state.keep, bank)
         except torch.OutOfMemoryError as error:
             if not self.in_flight:
                 raise

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.partition.memory import DevicePeak, StageBytes, aligned, device_peaks
 from lightning_roundpipe.partition.profile import LayerProfile
@@ -41,7 +42,9 @@ class PlanMemoryError(DeviceMemoryError):
         torch.OutOfMemoryError.__init__(
             self,
             f"RoundPipe: the partition does not fit device {peak.device_index}: its modelled peak is {peak.peak_bytes}"
-            f" bytes ({parts}; {banks} pool bank(s)) against a budget of {budget_bytes} bytes; the largest working set is"
+            f" bytes ({parts}; {banks} pool bank(s)) against its budget of {budget_bytes} bytes"
+            f" (`device_memory_bytes={budget_bytes}` on a CPU virtual device; on a GPU: measured free memory less a"
+            " margin); the largest working set is"
             f" stage {peak.stage_index} ({stage}). HINT: use smaller stages (`partition='auto'`, or `forward_stages` /"
             " `backward_stages` with fewer layers each), fewer rows per microbatch (`num_microbatches`), shorter"
             " sequences, `overlap_batches=False` (one pool bank), or a larger `device_memory_bytes`; `roundpipe plan`"
@@ -71,13 +74,12 @@ def stage_bytes(store: Any, stages: Sequence[Any], layers: Sequence[torch.nn.Mod
                 autocast_bytes: int | None = None) -> list[StageBytes]:
     """Per stage (a :class:`~lightning_roundpipe.schedule.plan.StageSpec`), its pool and dequantisation bytes
     as the runtime allocates them (see the module docstring); with ``layers`` (the sequence's modules) and
-    ``autocast_bytes`` (the autocast dtype's size), the autocast casts of fp32 matmul weights count with
-    the dequantised copies."""
+    ``autocast_bytes`` (the autocast dtype's size), the autocast casts of fp32 matmul weights."""
     out = []
     for spec in stages:
         layout = store.layout(spec.layers)
-        dequantised = _autocast_copies(store, [layers[i] for i in spec.layers], autocast_bytes) if layers else 0
-        transient = 0
+        casts = _autocast_copies(store, [layers[i] for i in spec.layers], autocast_bytes) if layers else 0
+        dequantised = transient = 0
         for key in layout.tensors:
             entry = store.tensors[key]
             if entry.block is not None:
@@ -86,7 +88,7 @@ def stage_bytes(store: Any, stages: Sequence[Any], layers: Sequence[torch.nn.Mod
                 transient = max(transient, aligned(numel * 4))
         accumulate = store.accumulator_numel(spec.layers) * 4 if spec.kind == "backward" else 0
         out.append(StageBytes(weight_bytes=layout.total_bytes, accumulator_bytes=accumulate,
-                              dequantised_bytes=dequantised, dequant_transient_bytes=transient))
+                              dequantised_bytes=dequantised, dequant_transient_bytes=transient, cast_bytes=casts))
     return out
 
 
@@ -167,3 +169,45 @@ def check_budgets(peaks: Sequence[DevicePeak], budgets: Sequence[int | None], pl
         if budget is not None and peak.peak_bytes > budget:
             stage = plan.stages[peak.stage_index].describe() if peak.stage_index is not None else ""
             raise PlanMemoryError(peak, budget, stage, banks)
+
+
+def check_program(engine: Any, program: Any, state: Any, banks: int) -> str | None:
+    """Before a program's pools are reserved (every partition, automatic, default or given, on both
+    drivers): the memory model's per-device peak (:func:`predicted_peaks`) at this call's rows and
+    sequence length (the first 2-D tensor of each microbatch's input) against each device's budget
+    (:meth:`~lightning_roundpipe.runtime.backends.base.Backend.device_budget_bytes`).
+
+    Returns:
+        why ``banks = 2`` does not fit while one bank does (the executor then runs one program at a
+        time), else ``None``.
+
+    Raises:
+        PlanMemoryError: one bank does not fit a device (nothing of the program was allocated).
+    """
+    budgets = [backend.device_budget_bytes() for backend in engine.backends]
+    if all(budget is None for budget in budgets):
+        return None
+    rows, seq_len = 1, 1
+    for index in range(state.num_microbatches):
+        for leaf in pytree.tree_leaves(state.acts.get((0, index))):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2:
+                rows, seq_len = max(rows, leaf.shape[0]), max(seq_len, leaf.shape[1])
+                break
+    key = (id(program), banks, rows, seq_len, tuple(budgets))
+    checked = engine.__dict__.setdefault("_memory_checked", {})
+    if key in checked:
+        return checked[key]
+    dtype = engine.autocast_dtype or engine.store.compute_dtype or torch.float32
+    reason = None
+    for count in range(banks, 0, -1):
+        peaks = predicted_peaks(engine.seq, engine.store, program, rows=rows, seq_len=seq_len, banks=count,
+                                compute_bytes=dtype.itemsize)
+        try:
+            check_budgets(peaks, budgets, program.plan, count)
+            break
+        except PlanMemoryError as error:
+            if count == 1:
+                raise
+            reason = f"the memory model: {error}"
+    checked[key] = reason
+    return reason
