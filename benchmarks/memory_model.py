@@ -60,37 +60,46 @@ CONFIGS = [
 
 
 class _Measure(L.Callback):
-    def __init__(self) -> None:
+    """Predicts every program the executor starts, when it starts (the plan may change between steps: the
+    weighted dispatch re-plans once it has measured the devices' speeds; the weight store still holds the
+    fp8 blocks then), and reads the ledger's peaks at the end."""
+
+    def __init__(self, banks: int, compute_bytes: int) -> None:
+        self.banks, self.compute_bytes = banks, compute_bytes
         self.engine = None
+        self.predicted: list[int] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.engine = trainer.strategy.engine
-        for backend in self.engine.backends:
+        engine = self.engine = trainer.strategy.engine
+        self.predicted = [0] * len(engine.backends)
+        for backend in engine.backends:
             backend.memory.pop_peak()
+        start = engine.executor.start
+
+        def predicting_start(program, state):
+            banks = 1 if engine.executor.one_bank is not None else self.banks
+            peaks = predicted_peaks(engine.seq, engine.store, program, rows=-(-BATCH // MICROBATCHES),
+                                    seq_len=TokenData().ids.shape[1], banks=banks, compute_bytes=self.compute_bytes)
+            self.predicted = [max(a, peak.peak_bytes) for a, peak in zip(self.predicted, peaks)]
+            return start(program, state)
+
+        engine.executor.start = predicting_start
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.peaks = [backend.memory.peak_bytes for backend in self.engine.backends]
-        self.programs = list(self.engine._programs.values())
-        self.one_bank = self.engine.executor.one_bank
+        del self.engine.executor.start
 
 
 def measure(config: Config, devices: int = 2, steps: int = 3) -> list[tuple[int, int, int]]:
     """``(device_index, predicted, measured)`` per device for ``config``."""
     strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=MICROBATCHES, partition="default",
                                                      **config.strategy)
-    watch = _Measure()
+    banks = overlap_banks(strategy.config.optimizer, config.trainer.get("accumulate_grad_batches", 1),
+                          strategy.config.overlap_batches)
+    watch = _Measure(banks, 2 if config.trainer.get("precision") == "bf16-mixed" else 4)
     module = CausalLMModule(config.model())
     trainer(strategy, devices, max_steps=steps, callbacks=[watch], **config.trainer).fit(module, loader(TokenData(), BATCH))
-    engine = watch.engine
-    banks = 1 if watch.one_bank is not None else overlap_banks(
-        strategy.config.optimizer, config.trainer.get("accumulate_grad_batches", 1), strategy.config.overlap_batches)
-    compute = 2 if config.trainer.get("precision") == "bf16-mixed" else 4
-    predicted = [0] * devices  # the step's programs (the cursor rotates stages between devices): the largest
-    for program in watch.programs:
-        peaks = predicted_peaks(engine.seq, engine.store, program, rows=-(-BATCH // MICROBATCHES),
-                                seq_len=TokenData().ids.shape[1], banks=banks, compute_bytes=compute)
-        predicted = [max(a, peak.peak_bytes) for a, peak in zip(predicted, peaks)]
-    return [(device, predicted[device], measured) for device, measured in enumerate(watch.peaks)]
+    return [(device, watch.predicted[device], measured) for device, measured in enumerate(watch.peaks)]
 
 
 def main() -> None:

@@ -15,14 +15,12 @@ What a device holds while it runs a step, as the runtime allocates it
   pool): the gradients autograd holds on the device, the recompute activations of a backward stage (or
   the largest layer's input and output of a forward one; the fused tail's logits chunks are in the
   tail's saved bytes), and, with ``frozen_weights="fp8"``, the stage's **dequantised copies** (the
-  compute dtype, held until the stage is dropped, so the previous stage's may still be there) plus the
-  fp32 transient of the largest one; under mixed precision, autocast's casts of fp32 matmul weights.
+  compute dtype, freed after the stage's last compute op) plus the fp32 transient of the largest one; under mixed precision, autocast's casts of fp32 matmul weights.
 
 So, for a device ``d``::
 
     peak(d) = banks * (slots * max_k weights(k) + slots * max_k accumulator(k) + transfers)
-              + max_k (stage_memory(k) - params(k) + dequantised(k) + casts(k))
-              + max_{j != k} dequantised(j) + max_k dequant_transient(k)
+              + max_k (stage_memory(k) - params(k) + dequantised(k) + casts(k)) + max_k dequant_transient(k)
 
 over the stages ``k`` that ``d`` may run (every stage: a rotated plan moves stages between devices; the
 weighted dispatch on devices of unequal memory keeps some off a device). The CPU virtual devices' memory
@@ -106,6 +104,7 @@ def device_peaks(
     banks: int = 1,
     slots: int | None = None,
     stage_devices: Sequence[Sequence[int]] | None = None,
+    pool_devices: Sequence[Sequence[int]] | None = None,
 ) -> list[DevicePeak]:
     """Per device, the modelled peak bytes of one step (the formula in the module docstring).
 
@@ -118,7 +117,9 @@ def device_peaks(
         transfer_bytes: one bank's transfer slots on a device, bytes.
         banks: pool banks (:func:`overlap_banks`).
         slots: stage weight slots per bank (``None``: 2, or 1 when no device runs more than one stage).
-        stage_devices: per stage, the devices that may run it (``None``: every device).
+        stage_devices: per stage, the devices that run it (``None``: every device): their working sets.
+        pool_devices: per stage, the devices whose pool slots are sized to hold it (``None``: every
+            device, as the runtime does unless the weighted dispatch keeps stages off small devices).
 
     Raises:
         ValueError: ``num_devices < 1``, ``banks`` not 1 or 2, an unknown stage kind, or ``stage_bytes``
@@ -149,14 +150,14 @@ def device_peaks(
         if not mine:
             out.append(DevicePeak(device_index=device_index, peak_bytes=0, pool_bytes=0, working_bytes=0, stage_index=None))
             continue
-        weight_pool = slots * max(weights[k] for k in mine)
-        accumulator_pool = slots * max(accumulators[k] for k in mine)
+        held = [k for k in range(len(stages)) if pool_devices is None or device_index in pool_devices[k]] or mine
+        weight_pool = slots * max(weights[k] for k in held)
+        accumulator_pool = slots * max(accumulators[k] for k in held)
         pool = banks * (weight_pool + accumulator_pool + transfer_bytes)
         largest = max(mine, key=lambda k: working[k])
-        # the stage before it on the device keeps its dequantised copies until its DROP, which may follow
-        # the next stage's first op; and one fp32 transient of a dequantisation
-        previous = max((extras[k].dequantised_bytes for k in mine if k != largest), default=0)
-        transient = previous + max(transients[k] for k in mine)
+        # one fp32 transient of a dequantisation (the copies themselves are freed after the stage's last
+        # compute op, so a device holds one stage's)
+        transient = max(transients[k] for k in mine)
         parts = {"stage weights": banks * weight_pool, "accumulators": banks * accumulator_pool,
                  "transfers": banks * transfer_bytes, "working set": working[largest] - extras[largest].dequantised_bytes,
                  "dequantised": extras[largest].dequantised_bytes + transient}

@@ -368,11 +368,25 @@ class Executor(TransferOps):
         try:
             with backend.op_scope(stream, f"stage {op.stage_index}, {op}"):
                 run.nbytes[op] = self._dispatch[op.kind](backend, op, run) or 0
+                if stream == "compute" and self.store.fp8_weights and op in _last_compute_ops(run.program):
+                    self._release_dequantised(backend, op, run)
         except _Aborted:
             return
         except BaseException as error:
             run.fail(error, self.error_notes.note(error, backend.device_index, str(backend.device), op, stream,
                                                   run.plan.stages[op.stage_index], self.replicas[backend.device_index]))
+
+    def _release_dequantised(self, backend: Backend, op: Op, run: ProgramRun) -> None:
+        """After a stage's last compute op of its residency: unbind and free its fp8 weights' dequantised
+        copies (:meth:`~lightning_roundpipe.runtime.host.store.ResidentStage.release_dequantised`), so a
+        device holds one stage's copies at a time (the memory model counts one)."""
+        resident = run.resident.get(self._stage_key(run, op))
+        if resident is None or not resident.quantised or resident.released:
+            return
+        replicas = self.replicas[backend.device_index]
+        for li in run.plan.stages[op.stage_index].layers:
+            replicas[li].unbind(resident.layer_tensors(li))
+        resident.release_dequantised()
 
     def _commit_grads(self, run: ProgramRun) -> None:
         """Host thread: add each backward dispatch's gradients, in (round, backward stage) order."""
@@ -580,3 +594,18 @@ class Executor(TransferOps):
         run.profile_marks.clear()
 
 
+def _last_compute_ops(program: StreamProgram) -> frozenset[Op]:
+    """Per device, the last op of each (stage, round) residency on its ``compute`` stream (cached on the plan)."""
+    cache = program.plan._meta.setdefault("_last_compute_ops", {})
+    held = cache.get(id(program))
+    got = held[1] if held is not None and held[0] is program else None
+    if got is None:
+        rounds = round_of(program)
+        last: dict[tuple[int, int, int], Op] = {}
+        for device_index, streams in enumerate(program.streams):
+            for op in streams["compute"]:
+                if op.microbatch_index is not None:
+                    last[(device_index, op.stage_index, rounds[(op.stage_index, op.microbatch_index)])] = op
+        got = frozenset(last.values())
+        cache[id(program)] = (program, got)
+    return got

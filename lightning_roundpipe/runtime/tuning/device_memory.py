@@ -149,10 +149,12 @@ def predicted_peaks(seq: Any, store: Any, program: Any, *, rows: int, seq_len: i
     stages = [("fused" if s.fused else s.kind, s.layers) for s in plan.stages]
     runs = [{action.stage_index for action in actions} for actions in plan.actions]  # what each device computes
     autocast = compute_bytes if compute_bytes < 4 else None
+    allowed = plan._meta.get("stage_devices")  # the runtime sizes a device's slots to the stages it may hold
     return device_peaks(profiles, stages, len(plan.actions), saved_activation_bytes=saved,
                         stage_bytes=stage_bytes(store, plan.stages, seq.layers, autocast),
                         transfer_bytes=transfer_bytes(program, boundary), banks=banks, slots=max(program_slots(plan), 1),
-                        stage_devices=[[d for d, mine in enumerate(runs) if k in mine] for k in range(len(stages))])
+                        stage_devices=[[d for d, mine in enumerate(runs) if k in mine] for k in range(len(stages))],
+                        pool_devices=[allowed[k] for k in range(len(stages))] if allowed is not None else None)
 
 
 def program_slots(plan: Any) -> int:
