@@ -94,7 +94,7 @@ def test_max_seq_agrees_with_the_planner_within_20_percent():
     assert r.measured > 0 and r.first_failing is not None  # the budget was reached
     assert r.measured_peak_bytes <= r.device_memory_bytes
     assert abs(r.planned - r.measured) <= 0.2 * r.measured, r
-    assert any(not ran for _, ran in r.trials) and ("ran out of its" in r.error or "does not fit device" in r.error)
+    assert any(not ran for _, ran in r.trials) and "ran out of its" in r.error
 
 
 def test_cli_requires_a_budget_on_cpu(capsys):

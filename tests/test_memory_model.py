@@ -126,3 +126,41 @@ def test_the_model_predicts_the_ledger_peak(name, monkeypatch):
     for device, predicted, measured in memory_model.measure(config):
         ratio = predicted / measured
         assert 0.95 <= ratio <= 1.10, (name, device, predicted, measured)
+
+
+def test_device_peaks_formula_by_hand():
+    """Pure: two layers of 100 weight bytes (50 of them trainable), boundaries of 10 bytes; stages
+    forward [0, 2), fused [1, 2), backward [0, 1) on 2 devices: 3 stages > 2 devices, so 2 slots."""
+    from lightning_roundpipe.partition.memory import StageBytes, device_peaks
+    from lightning_roundpipe.partition.profile import LayerProfile
+
+    profiles = [LayerProfile(forward_s=0, backward_s=0, param_bytes=100, activation_bytes=10, trainable_param_bytes=50)] * 2
+    stages = [("forward", range(0, 2)), ("fused", range(1, 2)), ("backward", range(0, 1))]
+    extra = [StageBytes(), StageBytes(accumulator_bytes=200, cast_bytes=7),
+             StageBytes(accumulator_bytes=200, dequantised_bytes=30, dequant_transient_bytes=60)]
+    one = device_peaks(profiles, stages, 2, stage_bytes=extra, transfer_bytes=40, banks=1)
+    # pools: 2 x 200 (stage 0's weights) + 2 x 200 (accumulators) + 40 = 840; working sets (stage_memory less
+    # weights): forward 10 + 10 = 20; fused 50 + max(10 + 10, 50) + 7 = 107; backward 50 + max(10 + 20, 50) + 30 = 130
+    assert [p.peak_bytes for p in one] == [840 + 130 + 60] * 2 and one[0].stage_index == 2
+    two = device_peaks(profiles, stages, 2, stage_bytes=extra, transfer_bytes=40, banks=2)
+    assert [p.peak_bytes for p in two] == [2 * 840 + 130 + 60] * 2  # a second bank of every pool
+    only = device_peaks(profiles, stages, 2, stage_bytes=extra, transfer_bytes=40, stage_devices=[[0], [0], [1]],
+                        pool_devices=[[0], [0, 1], [0, 1]])
+    assert only[1].pool_bytes == 2 * 100 + 2 * 200 + 40 and only[1].stage_index == 2  # the forward stage is not its
+
+
+def test_roundpipe_plan_counts_the_second_bank_of_the_overlapped_modes():
+    """`roundpipe plan --accumulate-grad-batches 2` counts two pool banks: its modelled peak fits the device
+    and is above the same stages' one-bank peak."""
+    import argparse
+
+    from lightning_roundpipe.cli import plan_cmd
+
+    parser = argparse.ArgumentParser()
+    plan_cmd.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", "--preset", "llama3.1-8b", "--devices", "8", "--device-memory-gib", "24",
+                                      "--seq-len", "1024", "--microbatch-size", "1", "--accumulate-grad-batches", "2",
+                                      "--method", "optimal"])
+    report = plan_cmd.make_report(args)
+    one_bank = plan_cmd.modelled_peak(report.modelled, report.stages, 8, report.num_microbatches, 1, args.dtype_bytes)
+    assert one_bank < report.peak_device_memory_bytes <= 24 * 2**30

@@ -169,3 +169,18 @@ def device_peaks(
 def aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to :data:`PACK_ALIGN` (one tensor's room in a packed buffer)."""
     return -(-int(nbytes) // PACK_ALIGN) * PACK_ALIGN
+
+
+def planner_stage_bytes(profiles: Sequence[LayerProfile], stages: Sequence[tuple[str, range]],
+                        compute_dtype_bytes: int) -> list[StageBytes]:
+    """:class:`StageBytes` for a plan made without a run: each backward stage's (and the fused tail's)
+    fp32 gradient accumulator, its trainable bytes in fp32 when the compute dtype is narrower
+    (``compute_dtype_bytes < 4``: mixed precision uploads half-precision weights and accumulates in fp32)."""
+    if compute_dtype_bytes < 1:
+        raise ValueError(f"`compute_dtype_bytes` must be >= 1, got {compute_dtype_bytes!r}.")
+    out = []
+    for kind, layers in stages:
+        trainable = sum(profiles[i].grad_bytes for i in layers)
+        accumulate = trainable * 4 // compute_dtype_bytes if kind != "forward" and compute_dtype_bytes < 4 else 0
+        out.append(StageBytes(accumulator_bytes=accumulate))
+    return out

@@ -208,18 +208,22 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
                         continue
                     try:
                         step_s = simulated_step_s(engine, candidate, profiles, per_round, count,
-                                                  **({"dispatch_rule": rule} if both else {}))
-                    except ValueError:  # the weighted rule: a stage no device's memory holds
+                                                  **({"dispatch_rule": rule} if both else {}), check_memory=True)
+                    except ValueError:  # the weighted rule: a stage no device's memory holds; or the memory model
                         continue
                     timed.append((step_s, len(timed), i, per_round, count, rule))
+    if not timed:  # no candidate fits the memory model: the first (the check before the step names the device)
+        return PlanChoice(candidates[0], engine.microbatches_per_round)
     if both:  # the weighted dispatch only by DISPATCH_MARGIN; the search below runs within the chosen rule
-        plain = min(t for t in timed if t[5] == "round_robin")
+        plain = min((t for t in timed if t[5] == "round_robin"), default=None)  # None: none fits the memory model
         weighted = min((t for t in timed if t[5] == "weighted"), default=None)
-        rule = "weighted" if weighted is not None and weighted[0] < (1 - DISPATCH_MARGIN) * plain[0] else "round_robin"
-        gain = 0.0 if weighted is None else 1 - weighted[0] / plain[0]
+        rule = "weighted" if weighted is not None and (plain is None or weighted[0] < (1 - DISPATCH_MARGIN) * plain[0]) \
+            else "round_robin"
+        gain = 0.0 if weighted is None or plain is None else 1 - weighted[0] / plain[0]
         dispatch_note = (f"; dispatch {rule.replace('_', ' ')} (device speeds {describe_speeds(engine)}): weighted"
                          f" {'n/a' if weighted is None else f'{weighted[0] * 1e3:.1f} ms'} vs round robin"
-                         f" {plain[0] * 1e3:.1f} ms, {100 * gain:.1f}% faster"
+                         f" {'n/a (no partition fits)' if plain is None else f'{plain[0] * 1e3:.1f} ms'},"
+                         f" {100 * gain:.1f}% faster"
                          f"{'' if rule == 'weighted' else f', under the {100 * DISPATCH_MARGIN:.0f}% margin'}")
         timed = [t for t in timed if t[5] == rule]
     else:
@@ -312,15 +316,19 @@ def describe_choice(engine: Any, choice: PlanChoice, profiles: Sequence[LayerPro
 
 def simulated_step_s(engine: Any, partition: PartitionPlan, profiles: Sequence[LayerProfile],
                      microbatches_per_round: int | None = None, num_microbatches: int | None = None,
-                     dispatch_rule: str | None = None) -> float:
+                     dispatch_rule: str | None = None, check_memory: bool = False) -> float:
     """Simulated time of one step of the last call's shape (rows, fused or not) under ``partition``
     with ``microbatches_per_round``, seconds; the batch cut into ``num_microbatches`` (``None``: as
     the last call was); the plan built with ``dispatch_rule`` (``None``: the engine's). In the run's
     own optimizer mode, the host's optimizer step included
     (:func:`~lightning_roundpipe.runtime.tuning.optimizer_mode.mode_step_s`).
 
+    With ``check_memory``, a partition whose one-bank peak (the memory model,
+    :func:`~lightning_roundpipe.runtime.tuning.device_memory.plans_fit`) exceeds a device's budget is refused.
+
     Raises:
-        ValueError: the weighted rule with a stage that fits no device's memory."""
+        ValueError: the weighted rule with a stage that fits no device's memory; with ``check_memory``, a
+            partition the memory model does not fit."""
     from lightning_roundpipe.simulate import simulate_program
 
     last, fused = engine._last_call
@@ -332,6 +340,11 @@ def simulated_step_s(engine: Any, partition: PartitionPlan, profiles: Sequence[L
         plan = build_plan(engine, build_stages(partition.forward_stages, partition.backward_stages), num_microbatches, 0,
                           microbatches_per_round, dispatch_rule)
         plans = [plan.phase("forward"), plan.phase("backward")]
+    if check_memory:
+        from lightning_roundpipe.runtime.tuning.device_memory import plans_fit
+
+        if not plans_fit(engine, plans):
+            raise ValueError("the memory model's peak of this partition does not fit a device's budget")
     hardware, weights = engine.hardware_model(), engine.microbatch_weights(num_microbatches)
     drained = sum(simulate_program(engine._lower(p), profiles, hardware, microbatch_weights=weights).iteration_s
                   for p in plans)

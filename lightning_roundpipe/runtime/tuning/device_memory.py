@@ -186,15 +186,17 @@ def check_program(engine: Any, program: Any, state: Any, banks: int) -> str | No
     Raises:
         PlanMemoryError: one bank does not fit a device (nothing of the program was allocated).
     """
-    budgets = [backend.device_budget_bytes() for backend in engine.backends]
-    if all(budget is None for budget in budgets):
-        return None
     rows, seq_len = 1, 1
     for index in range(state.num_microbatches):
         for leaf in pytree.tree_leaves(state.acts.get((0, index))):
             if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2:
                 rows, seq_len = max(rows, leaf.shape[0]), max(seq_len, leaf.shape[1])
                 break
+    if state.keep:  # a training call: the shape the automatic choice checks its candidates at
+        engine.__dict__["memory_shape"] = (rows, seq_len, banks)
+    budgets = [backend.device_budget_bytes() for backend in engine.backends]
+    if all(budget is None for budget in budgets):
+        return None
     key = (id(program), banks, rows, seq_len, tuple(budgets))
     checked = engine.__dict__.setdefault("_memory_checked", {})
     if key in checked:
@@ -213,3 +215,22 @@ def check_program(engine: Any, program: Any, state: Any, banks: int) -> str | No
             reason = f"the memory model: {error}"
     checked[key] = reason
     return reason
+
+
+def plans_fit(engine: Any, plans: Sequence[Any]) -> bool:
+    """Whether the model's per-device peak of every plan (an
+    :class:`~lightning_roundpipe.schedule.plan.ExecutionPlan` the automatic choice considers) fits each
+    device's budget, at the last training call's rows, length and pool banks; ``True`` before any
+    training call or without budgets."""
+    shape = engine.__dict__.get("memory_shape")
+    budgets = [backend.device_budget_bytes() for backend in engine.backends]
+    if shape is None or all(budget is None for budget in budgets):
+        return True
+    rows, seq_len, banks = shape
+    dtype = engine.autocast_dtype or engine.store.compute_dtype or torch.float32
+    for plan in plans:
+        peaks = predicted_peaks(engine.seq, engine.store, engine._lower(plan), rows=rows, seq_len=seq_len, banks=1,
+                                compute_bytes=dtype.itemsize)
+        if any(budget is not None and peak.peak_bytes > budget for peak, budget in zip(peaks, budgets)):
+            return False
+    return True
