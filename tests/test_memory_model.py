@@ -164,3 +164,45 @@ def test_roundpipe_plan_counts_the_second_bank_of_the_overlapped_modes():
     report = plan_cmd.make_report(args)
     one_bank = plan_cmd.modelled_peak(report.modelled, report.stages, 8, report.num_microbatches, 1, args.dtype_bytes)
     assert one_bank < report.peak_device_memory_bytes <= 24 * 2**30
+
+
+def test_the_second_bank_and_the_transfer_slots_are_reserved_before_the_first_program():
+    """Accumulation overlaps batches: bank 1 (stage slots, accumulators, transfer slots sized from bank 0)
+    and both banks' transfer slots (sized by the model's boundaries) exist before the first program runs
+    an op (the devices are paused while it is issued); no pool allocates inside a program afterwards
+    (lazily grown transfer slots used to be allocated inside the first program, on whichever stream ran it)."""
+    seen = {}
+
+    class Paused(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            executor = trainer.strategy.engine.executor
+            start = executor.start
+
+            def paused_start(program, state):
+                if seen:
+                    return start(program, state)
+                for backend in executor.backends:
+                    backend.pause()
+                try:
+                    run = start(program, state)
+                    seen["banks"] = [len(backend.banks) for backend in executor.backends]
+                    seen["slots"] = [[b is not None and b.numel() > 0 for b in backend.bank(bank).transfer_pool.buffers]
+                                     for backend in executor.backends for bank in (0, 1)]
+                    seen["allocations"] = executor.pool_allocations()
+                finally:
+                    for backend in executor.backends:
+                        backend.resume()
+                return run
+
+            executor.start = paused_start
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            seen["end"] = trainer.strategy.engine.executor.pool_allocations()
+
+    fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), devices=2, callbacks=[Paused()], max_steps=2,
+               accumulate_grad_batches=2,
+               strategy=lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, partition="default"))
+    assert seen["banks"] == [2, 2]
+    assert all(slots and all(slots) for slots in seen["slots"]), [[i for i, x in enumerate(s) if not x] for s in seen["slots"]]
+    device = lambda counts: {name: n for name, n in counts.items() if name != "host staging"}  # noqa: E731
+    assert device(seen["end"]) == device(seen["allocations"])  # no device pool allocated inside any program

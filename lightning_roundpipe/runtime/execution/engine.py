@@ -172,6 +172,7 @@ class RoundPipeEngine:
         """Where the engine reports a new partition (the strategy passes Lightning's ``rank_zero_info``)."""
         self._host_calls = threading.local()  # depth of `generate` calls in this thread
         self.executor.memory_check = self._check_memory
+        self.executor.transfer_sizes = self._transfer_sizes
         self.overlap = StepOverlap(self)
         self.overlap_next = False
         """Set before a training call whose fused program may still drain when the call returns
@@ -222,6 +223,13 @@ class RoundPipeEngine:
         from lightning_roundpipe.runtime.tuning.device_memory import check_program
 
         return check_program(self, program, state, banks)
+
+    def _transfer_sizes(self, program: StreamProgram) -> list[int] | None:
+        """The executor's transfer slots reserved before a program:
+        :func:`~lightning_roundpipe.runtime.tuning.device_memory.planned_transfer_sizes`."""
+        from lightning_roundpipe.runtime.tuning.device_memory import planned_transfer_sizes
+
+        return planned_transfer_sizes(self, program)
 
     def pop_device_memory_peaks(self) -> list[int] | None:
         """Per CPU virtual device, the most bytes live at once (weights, activations, op outputs)

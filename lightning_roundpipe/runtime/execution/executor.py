@@ -90,6 +90,12 @@ class Executor(TransferOps):
         self.one_bank: str | None = None
         """Why programs no longer overlap (the second pool bank did not fit in a device's memory: the
         error), else ``None``."""
+        self.expect_overlap = False
+        """Set (for good) once a call may overlap the next: the second pool bank is then reserved with the
+        first, before the first program (:meth:`~TransferOps._pools_for`)."""
+        self.transfer_sizes: Callable[[StreamProgram], list[int] | None] | None = None
+        """Main thread: the program's transfer slot sizes to reserve before it runs (the memory model's
+        boundaries), else ``None`` (slots grow inside the first program)."""
         self.memory_check: Callable[[StreamProgram, PipelineState, int], str | None] | None = None
         """Main thread, before a program's pools are reserved: ``(program, state, banks) -> reason`` checks
         the memory model's per-device peak with ``banks`` pool banks against each device's budget; returns
@@ -164,28 +170,7 @@ class Executor(TransferOps):
         if self.in_flight and self.one_bank is not None:
             while self.in_flight:
                 self.finish(self.in_flight[0])
-        bank = 1 - self.in_flight[-1].bank if self.in_flight else 0
-        if self.memory_check is not None:  # the memory model, before anything of this program is allocated
-            reason = self.memory_check(program, state, 2 if bank == 1 or len(self.backends[0].banks) > 1 else 1)
-            if reason is not None and self.in_flight:
-                self.one_bank = reason
-        try:
-            if self.one_bank is None or bank == 0:
-                self._reserve_pools(program, state.keep, bank)
-        except torch.OutOfMemoryError as error:
-            if not self.in_flight:
-                raise
-            self.one_bank = f"{type(error).__name__}: {error}"
-        if self.one_bank is not None and bank == 1:
-            # the second bank does not fit: free it (outside the handler: its traceback holds the new
-            # buffers), finish the run in flight, and from now on run one program at a time (the overlap
-            # costs a second set of pools; DESIGN.md section 4)
-            for backend in self.backends:
-                del backend.banks[1:]
-            while self.in_flight:
-                self.finish(self.in_flight[0])
-            bank = 0
-            self._reserve_pools(program, state.keep, bank)
+        bank = self._pools_for(program, state)
         checker = self.backends[0].checker if self.backends else None
         if checker is not None:
             if self.in_flight:

@@ -160,6 +160,8 @@ class StepOverlap:
         if engine.on_fused_call is not None:
             engine.on_fused_call()
         overlap = self.allowed(grad_inputs)
+        if overlap:  # the second pool bank is reserved with the first, before this call's program
+            engine.executor.expect_overlap = True
         if engine.before_fused_start is not None:
             engine.before_fused_start()
         state.loss_seed = seed

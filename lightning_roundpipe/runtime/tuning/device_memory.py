@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from lightning_roundpipe.partition.memory import DevicePeak, StageBytes, aligned, device_peaks
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError
+from lightning_roundpipe.runtime.backends.pool import packed_nbytes
 from lightning_roundpipe.schedule.buffers import device_slots
 
 
@@ -123,29 +124,66 @@ def layer_profiles(seq: Any, store: Any, rows: int, seq_len: int, compute_bytes:
     return profiles, saved
 
 
-def transfer_bytes(program: Any, boundary: Sequence[int]) -> int:
-    """One bank's transfer slots on a device: per slot of the program's assignment, the largest
-    boundary put there (a stage input: ``boundary[first layer]``; an incoming gradient: of the layer
-    after its last), the same slots on every device."""
+def transfer_slot_sizes(program: Any, boundary: Sequence[int]) -> list[int]:
+    """Per transfer slot of the program's assignment (the same slots on every device), the largest
+    boundary put there, bytes: a stage input is ``boundary[first layer]``, an incoming gradient
+    ``boundary[the layer after its last]``."""
     sizes: dict[int, int] = {}
     for plan in device_slots(program):
         for (kind, stage_index, _), slot in plan.slots.items():
             layers = program.plan.stages[stage_index].layers
             layer = layers.start if kind == "in" else layers.stop
             sizes[slot] = max(sizes.get(slot, 0), boundary[layer] if layer < len(boundary) else 0)
-    return sum(sizes.values())
+    return [sizes.get(slot, 0) for slot in range(max(sizes, default=-1) + 1)]
+
+
+def transfer_bytes(program: Any, boundary: Sequence[int]) -> int:
+    """One bank's transfer slots on a device, bytes (:func:`transfer_slot_sizes` summed)."""
+    return sum(transfer_slot_sizes(program, boundary))
+
+
+def boundaries(profiles: Sequence[LayerProfile], tokens: int, compute_bytes: int,
+               batch_bytes: int | None = None) -> list[int]:
+    """Per layer, the bytes of its input carry as uploaded (packed): the first layer's is the
+    microbatch itself (``batch_bytes``; ``None``: ``input_ids``, ``attention_mask`` and ``labels`` in
+    int64), every later one the hidden states (the fp32 residual stream) beside what the carry passes
+    on from the batch (the mask, the labels, the positions in place of the ids: as many bytes, or
+    fewer); 0 where the activations are unknown."""
+    batch = 3 * aligned(tokens * 8) if batch_bytes is None else int(batch_bytes)
+    return [0 if not p.activation_bytes else batch if index == 0 else aligned(p.activation_bytes * 4 // compute_bytes) + batch
+            for index, p in enumerate(profiles)]
+
+
+def planned_transfer_sizes(engine: Any, program: Any) -> list[int] | None:
+    """The transfer slots to reserve before ``program`` runs (the executor's ``transfer_sizes``): the
+    model's boundaries at the last training call's rows and length (:func:`transfer_slot_sizes`);
+    ``None`` before a training call or for a model whose activations the cost model does not know.
+    Cached per program and shape."""
+    shape = engine.__dict__.get("memory_shape")
+    if shape is None:
+        return None
+    rows, seq_len, _, batch_bytes = shape
+    cache = engine.__dict__.setdefault("_transfer_size_cache", {})
+    key = (id(program), rows, seq_len, batch_bytes)
+    held = cache.get(key)
+    if held is not None and held[0] is program:
+        return held[1]
+    dtype = engine.autocast_dtype or engine.store.compute_dtype or torch.float32
+    profiles, _ = layer_profiles(engine.seq, engine.store, rows, seq_len, dtype.itemsize)
+    boundary = boundaries(profiles, rows * seq_len, dtype.itemsize, batch_bytes)
+    sizes = transfer_slot_sizes(program, boundary) if any(boundary) else None
+    cache[key] = (program, sizes)
+    return sizes
 
 
 def predicted_peaks(seq: Any, store: Any, program: Any, *, rows: int, seq_len: int, banks: int,
-                    compute_bytes: int = 4) -> list[DevicePeak]:
+                    compute_bytes: int = 4, batch_bytes: int | None = None) -> list[DevicePeak]:
     """The modelled per-device peak of ``program`` (a stream program of the engine's partition) with
-    ``rows`` sequences of ``seq_len`` tokens per microbatch and ``banks`` pool banks, bytes."""
+    ``rows`` sequences of ``seq_len`` tokens per microbatch (``batch_bytes``: a microbatch's packed
+    bytes, see :func:`boundaries`) and ``banks`` pool banks, bytes."""
     plan = program.plan
     profiles, saved = layer_profiles(seq, store, rows, seq_len, compute_bytes)
-    tokens = rows * seq_len
-    # a boundary carries the hidden states (fp32 residual stream) and the 2D mask and positions (int64)
-    boundary = [aligned(p.activation_bytes * 4 // compute_bytes) + 2 * aligned(tokens * 8) if p.activation_bytes else 0
-                for p in profiles]
+    boundary = boundaries(profiles, rows * seq_len, compute_bytes, batch_bytes)
     stages = [("fused" if s.fused else s.kind, s.layers) for s in plan.stages]
     runs = [{action.stage_index for action in actions} for actions in plan.actions]  # what each device computes
     autocast = compute_bytes if compute_bytes < 4 else None
@@ -186,18 +224,20 @@ def check_program(engine: Any, program: Any, state: Any, banks: int) -> str | No
     Raises:
         PlanMemoryError: one bank does not fit a device (nothing of the program was allocated).
     """
-    rows, seq_len = 1, 1
+    rows, seq_len, batch_bytes = 1, 1, 0
     for index in range(state.num_microbatches):
-        for leaf in pytree.tree_leaves(state.acts.get((0, index))):
+        microbatch = state.acts.get((0, index))
+        batch_bytes = max(batch_bytes, packed_nbytes(microbatch))
+        for leaf in pytree.tree_leaves(microbatch):
             if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2:
                 rows, seq_len = max(rows, leaf.shape[0]), max(seq_len, leaf.shape[1])
                 break
-    if state.keep:  # a training call: the shape the automatic choice checks its candidates at
-        engine.__dict__["memory_shape"] = (rows, seq_len, banks)
+    if state.keep:  # a training call: the shape the automatic choice and the transfer slots are sized at
+        engine.__dict__["memory_shape"] = (rows, seq_len, banks, batch_bytes)
     budgets = [backend.device_budget_bytes() for backend in engine.backends]
     if all(budget is None for budget in budgets):
         return None
-    key = (id(program), banks, rows, seq_len, tuple(budgets))
+    key = (id(program), banks, rows, seq_len, batch_bytes, tuple(budgets))
     checked = engine.__dict__.setdefault("_memory_checked", {})
     if key in checked:
         return checked[key]
@@ -205,7 +245,7 @@ def check_program(engine: Any, program: Any, state: Any, banks: int) -> str | No
     reason = None
     for count in range(banks, 0, -1):
         peaks = predicted_peaks(engine.seq, engine.store, program, rows=rows, seq_len=seq_len, banks=count,
-                                compute_bytes=dtype.itemsize)
+                                compute_bytes=dtype.itemsize, batch_bytes=batch_bytes)
         try:
             check_budgets(peaks, budgets, program.plan, count)
             break
@@ -226,11 +266,11 @@ def plans_fit(engine: Any, plans: Sequence[Any]) -> bool:
     budgets = [backend.device_budget_bytes() for backend in engine.backends]
     if shape is None or all(budget is None for budget in budgets):
         return True
-    rows, seq_len, banks = shape
+    rows, seq_len, _, batch_bytes = shape
     dtype = engine.autocast_dtype or engine.store.compute_dtype or torch.float32
     for plan in plans:
         peaks = predicted_peaks(engine.seq, engine.store, engine._lower(plan), rows=rows, seq_len=seq_len, banks=1,
-                                compute_bytes=dtype.itemsize)
+                                compute_bytes=dtype.itemsize, batch_bytes=batch_bytes)
         if any(budget is not None and peak.peak_bytes > budget for peak, budget in zip(peaks, budgets)):
             return False
     return True
