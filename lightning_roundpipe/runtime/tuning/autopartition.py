@@ -206,10 +206,12 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
                 for rule in rules:
                     if rule == "round_robin" and i >= round_robin_fits:
                         continue
+                    if not fits_memory(engine, candidate, count, per_round, rule if both else None):
+                        continue
                     try:
                         step_s = simulated_step_s(engine, candidate, profiles, per_round, count,
-                                                  **({"dispatch_rule": rule} if both else {}), check_memory=True)
-                    except ValueError:  # the weighted rule: a stage no device's memory holds; or the memory model
+                                                  **({"dispatch_rule": rule} if both else {}))
+                    except ValueError:  # the weighted rule: a stage no device's memory holds
                         continue
                     timed.append((step_s, len(timed), i, per_round, count, rule))
     if not timed:  # no candidate fits the memory model: the first (the check before the step names the device)
@@ -267,6 +269,25 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
     return PlanChoice(candidates[index], per_round, best_s, None if count == counts[0] else count, rule)
 
 
+def fits_memory(engine: Any, partition: PartitionPlan, num_microbatches: int, microbatches_per_round: int | None,
+                dispatch_rule: str | None = None) -> bool:
+    """Whether the memory model's one-bank peak of ``partition``'s plan (the last call's shape, fused or not)
+    fits every device's budget (:func:`~lightning_roundpipe.runtime.tuning.device_memory.plans_fit`; the
+    check before each program counts the second bank of the overlapped modes and falls back to one). A
+    plan the weighted rule cannot build counts as fitting here (the timing refuses it)."""
+    from lightning_roundpipe.runtime.tuning.device_memory import plans_fit
+
+    if all(backend.device_budget_bytes() is None for backend in engine.backends):
+        return True
+    _, fused = engine._last_call
+    stages = fused_stages(partition) if fused else build_stages(partition.forward_stages, partition.backward_stages)
+    try:
+        plan = build_plan(engine, stages, num_microbatches, 0, microbatches_per_round, dispatch_rule)
+    except ValueError:
+        return True
+    return plans_fit(engine, [plan])
+
+
 def one_stage(partition: PartitionPlan) -> bool:
     """Whether ``partition`` is the whole model as one stage (one forward and one backward stage)."""
     return len(partition.forward_stages) == 1 and len(partition.backward_stages) == 1
@@ -316,19 +337,15 @@ def describe_choice(engine: Any, choice: PlanChoice, profiles: Sequence[LayerPro
 
 def simulated_step_s(engine: Any, partition: PartitionPlan, profiles: Sequence[LayerProfile],
                      microbatches_per_round: int | None = None, num_microbatches: int | None = None,
-                     dispatch_rule: str | None = None, check_memory: bool = False) -> float:
+                     dispatch_rule: str | None = None) -> float:
     """Simulated time of one step of the last call's shape (rows, fused or not) under ``partition``
     with ``microbatches_per_round``, seconds; the batch cut into ``num_microbatches`` (``None``: as
     the last call was); the plan built with ``dispatch_rule`` (``None``: the engine's). In the run's
     own optimizer mode, the host's optimizer step included
     (:func:`~lightning_roundpipe.runtime.tuning.optimizer_mode.mode_step_s`).
 
-    With ``check_memory``, a partition whose one-bank peak (the memory model,
-    :func:`~lightning_roundpipe.runtime.tuning.device_memory.plans_fit`) exceeds a device's budget is refused.
-
     Raises:
-        ValueError: the weighted rule with a stage that fits no device's memory; with ``check_memory``, a
-            partition the memory model does not fit."""
+        ValueError: the weighted rule with a stage that fits no device's memory."""
     from lightning_roundpipe.simulate import simulate_program
 
     last, fused = engine._last_call
@@ -340,11 +357,6 @@ def simulated_step_s(engine: Any, partition: PartitionPlan, profiles: Sequence[L
         plan = build_plan(engine, build_stages(partition.forward_stages, partition.backward_stages), num_microbatches, 0,
                           microbatches_per_round, dispatch_rule)
         plans = [plan.phase("forward"), plan.phase("backward")]
-    if check_memory:
-        from lightning_roundpipe.runtime.tuning.device_memory import plans_fit
-
-        if not plans_fit(engine, plans):
-            raise ValueError("the memory model's peak of this partition does not fit a device's budget")
     hardware, weights = engine.hardware_model(), engine.microbatch_weights(num_microbatches)
     drained = sum(simulate_program(engine._lower(p), profiles, hardware, microbatch_weights=weights).iteration_s
                   for p in plans)
