@@ -77,11 +77,13 @@ class _Measure(L.Callback):
         start = engine.executor.start
 
         def predicting_start(program, state):
+            run = start(program, state)  # its check records the call's shape (the microbatch's packed bytes)
             banks = 1 if engine.executor.one_bank is not None else self.banks
             peaks = predicted_peaks(engine.seq, engine.store, program, rows=-(-BATCH // MICROBATCHES),
-                                    seq_len=TokenData().ids.shape[1], banks=banks, compute_bytes=self.compute_bytes)
+                                    seq_len=TokenData().ids.shape[1], banks=banks, compute_bytes=self.compute_bytes,
+                                    batch_bytes=engine.memory_shape[3])
             self.predicted = [max(a, peak.peak_bytes) for a, peak in zip(self.predicted, peaks)]
-            return start(program, state)
+            return run
 
         engine.executor.start = predicting_start
 

@@ -36,9 +36,12 @@ class _Watch(L.Callback):
         start = engine.executor.start
 
         def predicting_start(program, state):
+            run = start(program, state)  # its check records the call's shape (the microbatch's packed bytes)
+            batch_bytes = engine.memory_shape[3] if hasattr(engine, "memory_shape") else None
             self.predicted.append(predicted_peaks(engine.seq, engine.store, program, rows=self.rows, seq_len=8,
-                                                  banks=self.banks, compute_bytes=self.compute_bytes))
-            return start(program, state)
+                                                  banks=self.banks, compute_bytes=self.compute_bytes,
+                                                  batch_bytes=batch_bytes))
+            return run
 
         engine.executor.start = predicting_start
 

@@ -77,6 +77,8 @@ class DevicePeak:
         stage_index: the stage whose working set is the largest (``None``: the device runs none).
         parts: ``name -> bytes`` of the sum (``stage weights``, ``accumulators``, ``transfers``, ``working
             set``, ``dequantised``), for messages and tables.
+        pool_stage_index: the largest stage the device's slots hold (it sizes them).
+        slots: stage weight slots per bank; slot_bytes: bytes of each.
     """
 
     device_index: int
@@ -85,6 +87,9 @@ class DevicePeak:
     working_bytes: int
     stage_index: int | None
     parts: dict[str, int] = field(default_factory=dict)
+    pool_stage_index: int | None = None
+    slots: int = 0
+    slot_bytes: int = 0
 
 
 def overlap_banks(optimizer: str = "sync", accumulate_grad_batches: int = 1, overlap_batches: bool = True) -> int:
@@ -151,7 +156,8 @@ def device_peaks(
             out.append(DevicePeak(device_index=device_index, peak_bytes=0, pool_bytes=0, working_bytes=0, stage_index=None))
             continue
         held = [k for k in range(len(stages)) if pool_devices is None or device_index in pool_devices[k]] or mine
-        weight_pool = slots * max(weights[k] for k in held)
+        sizing = max(held, key=lambda k: weights[k])
+        weight_pool = slots * weights[sizing]
         accumulator_pool = slots * max(accumulators[k] for k in held)
         pool = banks * (weight_pool + accumulator_pool + transfer_bytes)
         largest = max(mine, key=lambda k: working[k])
@@ -162,7 +168,8 @@ def device_peaks(
                  "transfers": banks * transfer_bytes, "working set": working[largest] - extras[largest].dequantised_bytes,
                  "dequantised": extras[largest].dequantised_bytes + transient}
         out.append(DevicePeak(device_index=device_index, peak_bytes=pool + working[largest] + transient, pool_bytes=pool,
-                              working_bytes=working[largest] + transient, stage_index=largest, parts=parts))
+                              working_bytes=working[largest] + transient, stage_index=largest, parts=parts,
+                              pool_stage_index=sizing, slots=slots, slot_bytes=weights[sizing]))
     return out
 
 

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.partition.memory import DevicePeak, StageBytes, aligned, device_peaks
 from lightning_roundpipe.partition.profile import LayerProfile
-from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError
+from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError, _size
 from lightning_roundpipe.runtime.backends.pool import packed_nbytes
 from lightning_roundpipe.schedule.buffers import device_slots
 
@@ -35,24 +35,27 @@ class PlanMemoryError(DeviceMemoryError):
     Attributes (beyond :class:`DeviceMemoryError`'s): ``peak`` (the :class:`DevicePeak`).
     """
 
-    def __init__(self, peak: DevicePeak, budget_bytes: int, stage: str = "", banks: int = 1) -> None:
-        self.peak, self.stage, self.banks = peak, stage, banks
+    def __init__(self, peak: DevicePeak, budget_bytes: int, stage: str = "", banks: int = 1, pool_stage: str = "") -> None:
+        self.peak, self.stage, self.banks, self.pool_stage = peak, stage, banks, pool_stage
         self.device_index, self.where = peak.device_index, stage
         self.asked_bytes, self.in_use_bytes, self.budget_bytes = peak.peak_bytes, 0, budget_bytes
         parts = ", ".join(f"{name} {nbytes}" for name, nbytes in peak.parts.items() if nbytes)
+        pools = "two pool banks (the overlapped modes), each with" if banks == 2 else "one pool bank with"
         torch.OutOfMemoryError.__init__(
             self,
             f"RoundPipe: the partition does not fit device {peak.device_index}: its modelled peak is {peak.peak_bytes}"
-            f" bytes ({parts}; {banks} pool bank(s)) against its budget of {budget_bytes} bytes"
-            f" (`device_memory_bytes={budget_bytes}` on a CPU virtual device; on a GPU: measured free memory less a"
-            " margin); the largest working set is"
-            f" stage {peak.stage_index} ({stage}). HINT: use smaller stages (`partition='auto'`, or `forward_stages` /"
-            " `backward_stages` with fewer layers each), fewer rows per microbatch (`num_microbatches`), shorter"
-            " sequences, `overlap_batches=False` (one pool bank), or a larger `device_memory_bytes`; `roundpipe plan`"
-            " prints the same model.")
+            f" bytes ({parts}) against its budget of {budget_bytes} bytes ({_size(peak.peak_bytes)} >"
+            f" {_size(budget_bytes)}; `device_memory_bytes={budget_bytes}` on a CPU virtual device, on a GPU its"
+            f" measured free memory less a margin); the stage weight pool, reserved before any LOAD: {pools}"
+            f" {peak.slots} slot(s) of {peak.slot_bytes} bytes for the largest stage, {pool_stage}; the largest working"
+            f" set is {stage}. HINT: every device holds two slots of the largest stage's weights (the stage computing"
+            " and the one prefetched): make that stage smaller (`partition='auto'`, or `forward_stages` /"
+            " `backward_stages` with fewer layers each; a single layer cannot be split); fewer rows per microbatch"
+            " (`num_microbatches`) or shorter sequences shrink the working set; `overlap_batches=False` keeps one pool"
+            " bank; or raise `device_memory_bytes`. `roundpipe plan` prints the same model.")
 
     def __reduce__(self):
-        return type(self), (self.peak, self.budget_bytes, self.stage, self.banks)
+        return type(self), (self.peak, self.budget_bytes, self.stage, self.banks, self.pool_stage)
 
 
 def _autocast_copies(store: Any, layers: Sequence[torch.nn.Module], autocast_bytes: int | None) -> int:
@@ -208,7 +211,8 @@ def check_budgets(peaks: Sequence[DevicePeak], budgets: Sequence[int | None], pl
     for peak, budget in zip(peaks, budgets):
         if budget is not None and peak.peak_bytes > budget:
             stage = plan.stages[peak.stage_index].describe() if peak.stage_index is not None else ""
-            raise PlanMemoryError(peak, budget, stage, banks)
+            pool_stage = plan.stages[peak.pool_stage_index].describe() if peak.pool_stage_index is not None else ""
+            raise PlanMemoryError(peak, budget, stage, banks, pool_stage)
 
 
 def check_program(engine: Any, program: Any, state: Any, banks: int) -> str | None:
