@@ -28,13 +28,11 @@ from dataclasses import field as dc_field
 from typing import Callable, Sequence
 
 from lightning_roundpipe.cli import mixed_plan
-from lightning_roundpipe.partition.candidates import candidate_partitions
 from lightning_roundpipe.partition.costmodel import (KNOWN_MODEL_TYPES, CostModel, LoRASpec, ModelledProfiles, ModelShape,
                                                    model_profiles)
 from lightning_roundpipe.partition.partitioner import (
     METHODS,
     StageSummary,
-    auto_partition,
     describe_stages,
     min_stage_memory_bytes,
     schedule_ranges,
@@ -47,8 +45,9 @@ from lightning_roundpipe.partition.profile import (
     HardwareModel,
     optimizer_step_bytes,
 )
-from lightning_roundpipe.partition.memory import overlap_banks, planner_stage_bytes
-from lightning_roundpipe.partition.seqlen import largest_fitting, peak_device_memory_bytes
+from lightning_roundpipe.partition.fitting import fitting_candidates, modelled_peak
+from lightning_roundpipe.partition.memory import overlap_banks
+from lightning_roundpipe.partition.seqlen import largest_fitting
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages
 
@@ -347,43 +346,6 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         stage_memory_bytes=budget, layer_budget_bytes=layer_budget,
         max_seq_len_bound=MAX_SEQ_LEN_SEARCHED,
     )
-
-
-def fitting_candidates(mp: ModelledProfiles, num_devices: int, num_microbatches: int, budget: int, method: str,
-                       banks: int, dtype_bytes: int, memory_bytes: int, lower: bool = True
-                       ) -> tuple[list[tuple[str, PartitionPlan]], int]:
-    """The candidate partitions (``method="auto"``: every method's and the filling ones; else that
-    method's) whose modelled device peak (:func:`modelled_peak`) fits ``memory_bytes``, and the per-stage
-    budget they were cut with: while none fits and ``lower`` (no `--stage-memory-gib` given), the budget
-    is lowered by 15 % and the stages cut again, down to the smallest budget a single layer admits.
-    Returns every candidate when none fits (the report warns)."""
-    floor = min_stage_memory_bytes(mp.profiles, mp.saved_activation_bytes)
-    while True:
-        if method == "auto":
-            candidates = candidate_partitions(mp.profiles, num_devices, budget,
-                                              saved_activation_bytes=mp.saved_activation_bytes)
-        else:
-            candidates = [(method, auto_partition(mp.profiles, num_devices, budget, method,
-                                                  saved_activation_bytes=mp.saved_activation_bytes))]
-        fit = [(name, part) for name, part in candidates
-               if modelled_peak(mp, describe_stages(part, mp.profiles, mp.saved_activation_bytes, mp.shared_weights),
-                                num_devices, num_microbatches, banks, dtype_bytes) <= memory_bytes]
-        if fit:
-            return fit, budget
-        if not lower or int(budget * 0.85) < floor:
-            return candidates, budget
-        budget = int(budget * 0.85)
-
-
-def modelled_peak(mp: ModelledProfiles, stages: Sequence[StageSummary], num_devices: int, num_microbatches: int,
-                  banks: int, dtype_bytes: int) -> int:
-    """Peak bytes on any device, the one memory model
-    (:func:`~lightning_roundpipe.partition.seqlen.peak_device_memory_bytes`): pools x ``banks`` (2 in the
-    overlapped modes: async, or sync with accumulation), the fp32 accumulators under mixed precision, the
-    transfer slots of the step's program, and the largest stage working set."""
-    kinds = [(s.kind, s.layers) for s in stages]
-    return peak_device_memory_bytes(mp, kinds, num_devices, num_microbatches, banks=banks,
-                                    stage_bytes=planner_stage_bytes(mp.profiles, kinds, dtype_bytes))
 
 
 def longest_sequence(modelled: Callable[[int], ModelledProfiles], stage_memory_bytes: int) -> int:
