@@ -30,9 +30,14 @@ def test_parallel_devices_may_name_one_device_several_times():
 
 
 def test_stage_memory_is_shared_by_the_logical_workers_of_one_gpu(monkeypatch):
-    total = 80 * 2**30
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=total))
+    """The default budget is measured free memory (plus what torch reserves) less max(512 MiB, 5 %), not
+    ``total_memory`` (issue 30): another process's 6 GiB and the margin are left out."""
+    card, free, reserved = 80 * 2**30, 74 * 2**30, 2 * 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=card))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (free, card))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: reserved)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    total = free + reserved - card // 20  # 5 % of the card is more than 512 MiB
     cuda = torch.device
     assert stage_memory_bytes([cuda("cuda:0")], None) == total // 2  # double buffering
     assert stage_memory_bytes([cuda("cuda:0"), cuda("cuda:1")], None) == total // 2

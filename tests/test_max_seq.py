@@ -67,7 +67,7 @@ def test_out_of_memory_leaves_nothing_behind_and_the_next_step_is_right():
     engine = _engine(model, 64 * MiB)
     try:
         long_ids = torch.randint(0, 49152, (2, 256))
-        with pytest.raises(DeviceMemoryError, match="ran out of its"):
+        with pytest.raises(DeviceMemoryError, match="ran out of its|does not fit device"):  # the memory model checks first
             model(input_ids=long_ids, labels=long_ids)
         gc.collect()  # the failed step's traceback holds reference cycles
         assert all(b.memory.in_use_bytes == b.pool_bytes for b in engine.backends)

@@ -190,7 +190,7 @@ def test_a_second_pool_bank_that_does_not_fit_turns_the_overlap_off(caplog):
     with caplog.at_level("INFO"):
         got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), devices=2, callbacks=[tight],
                          strategy=_strategy(device_memory_bytes=budget), **ACCUMULATE)
-    assert tight.one_bank is not None and "DeviceMemoryError" in tight.one_bank
+    assert tight.one_bank is not None and "the memory model" in tight.one_bank  # decided before bank 1 was allocated
     assert max(tight.peaks) <= budget
     assert sum("no longer overlaps" in record.getMessage() for record in caplog.records) == 1
     assert max_diff(ref, got) <= TOL

@@ -28,13 +28,11 @@ from dataclasses import field as dc_field
 from typing import Callable, Sequence
 
 from lightning_roundpipe.cli import mixed_plan
-from lightning_roundpipe.partition.candidates import candidate_partitions
 from lightning_roundpipe.partition.costmodel import (KNOWN_MODEL_TYPES, CostModel, LoRASpec, ModelledProfiles, ModelShape,
                                                    model_profiles)
 from lightning_roundpipe.partition.partitioner import (
     METHODS,
     StageSummary,
-    auto_partition,
     describe_stages,
     min_stage_memory_bytes,
     schedule_ranges,
@@ -47,6 +45,8 @@ from lightning_roundpipe.partition.profile import (
     HardwareModel,
     optimizer_step_bytes,
 )
+from lightning_roundpipe.partition.fitting import fitting_candidates, modelled_peak
+from lightning_roundpipe.partition.memory import overlap_banks
 from lightning_roundpipe.partition.seqlen import largest_fitting
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages
@@ -94,14 +94,17 @@ class PlanReport:
     predictor: str
     """What produced ``step_s`` / ``idle_pct``."""
     peak_device_memory_bytes: int
-    """Largest device memory of any stage plus the prefetched weights of that device's next stage, bytes."""
+    """The memory model's peak on any device (:func:`modelled_peak`: pools x banks + the largest working set), bytes."""
     max_seq_len: int
     """Longest sequence (tokens, at this microbatch size) whose every layer fits the per-stage budget;
     :data:`MAX_SEQ_LEN_SEARCHED` means at least that many (the search stops there)."""
     max_seq_len_mb1: int
     """The same with one sequence per microbatch."""
     stage_memory_bytes: int
-    """The per-stage memory budget used, bytes."""
+    """The per-stage memory budget the stages were cut with, bytes (lowered from half the device memory
+    until the modelled peak fits: :func:`fitting_candidates`)."""
+    layer_budget_bytes: int | None = None
+    """The per-stage budget ``max_seq_len`` is searched against (the given one), bytes; ``None``: ``stage_memory_bytes``."""
     max_seq_len_bound: int = MAX_SEQ_LEN_SEARCHED
     """Upper bound of the longest-sequence search: ``max_seq_len`` equal to it means "at least"."""
     optimizer: str = "sync"
@@ -314,11 +317,10 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         return given.modelled(seq_len, mb, args.dtype_bytes)
 
     mp = modelled(args.seq_len, args.microbatch_size)
-    if method == "auto":
-        candidates = candidate_partitions(mp.profiles, D, budget, saved_activation_bytes=mp.saved_activation_bytes)
-    else:
-        candidates = [(method, auto_partition(mp.profiles, D, budget, method,
-                                              saved_activation_bytes=mp.saved_activation_bytes))]
+    banks = overlap_banks(optimizer, accumulate)
+    layer_budget = budget  # the longest sequence: every single layer within the given per-stage budget
+    candidates, budget = fitting_candidates(mp, D, M, budget, method, banks, args.dtype_bytes, hw.memory_bytes,
+                                            lower=args.stage_memory_gib is None)
     optimizer_bytes = optimizer_step_bytes(model_param_counts(mp)[1])
     choices = choose_modes(candidates, mp, hw, D, M, optimizer_bytes, accumulate)
     chosen = choices.get(optimizer)
@@ -338,22 +340,12 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         optimizer=optimizer, mode_choices=choices, num_candidates=len(candidates), optimizer_bytes=optimizer_bytes,
         optimizer_step_s=optimizer_bytes / hw.optimizer_bytes_per_s, accumulate_grad_batches=accumulate,
         microbatches_per_round=per_round,
-        peak_device_memory_bytes=peak_device_memory(stages, D),
-        max_seq_len=longest_sequence(lambda s: modelled(s, args.microbatch_size), budget),
-        max_seq_len_mb1=longest_sequence(lambda s: modelled(s, 1), budget),
-        stage_memory_bytes=budget,
+        peak_device_memory_bytes=modelled_peak(mp, stages, D, M, banks, args.dtype_bytes),
+        max_seq_len=longest_sequence(lambda s: modelled(s, args.microbatch_size), layer_budget),
+        max_seq_len_mb1=longest_sequence(lambda s: modelled(s, 1), layer_budget),
+        stage_memory_bytes=budget, layer_budget_bytes=layer_budget,
         max_seq_len_bound=MAX_SEQ_LEN_SEARCHED,
     )
-
-
-def peak_device_memory(stages: Sequence[StageSummary], num_devices: int) -> int:
-    """Peak bytes on any device: a stage's memory plus the weights of the stage prefetched after it on
-    the same device (stage ``k + D`` in round-robin order)."""
-    peak = 0
-    for k, s in enumerate(stages):
-        nxt = stages[k + num_devices].param_bytes if k + num_devices < len(stages) else 0
-        peak = max(peak, s.memory_bytes + nxt)
-    return peak
 
 
 def longest_sequence(modelled: Callable[[int], ModelledProfiles], stage_memory_bytes: int) -> int:
@@ -441,16 +433,17 @@ def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) 
         + f"   (mean {sum(r.idle_pct) / len(r.idle_pct):.1f})",
         *_mode_table(r),
         f"peak device memory: {r.peak_device_memory_bytes / GiB:.2f} GiB of {_num(hw.memory_bytes / GiB)} GiB"
-        " (a stage + the prefetched weights of the device's next stage)",
+        " (pool banks of stage weight slots, accumulators and transfer slots + the largest stage working set)",
         f"longest sequence that fits: {_tokens(r.max_seq_len, r.max_seq_len_bound)} at microbatch size"
         f" {mp.microbatch_size}"
         + (f"; {_tokens(r.max_seq_len_mb1, r.max_seq_len_bound)} at microbatch size 1" if mp.microbatch_size != 1 else "")
-        + f" (every layer within the {_num(r.stage_memory_bytes / GiB)} GiB per-stage budget"
+        + f" (every layer within the {_num((r.layer_budget_bytes or r.stage_memory_bytes) / GiB)} GiB per-stage budget"
         + (f"; the search stops at {r.max_seq_len_bound:,} tokens)" if r.max_seq_len_mb1 >= r.max_seq_len_bound else ")"),
     ]
     if r.peak_device_memory_bytes > hw.memory_bytes:
-        lines.append("WARNING: the peak exceeds the device memory (a stage plus the next stage's prefetched weights);"
-                     " HINT: lower `--stage-memory-gib` (default: half the device memory).")
+        lines.append("WARNING: the peak exceeds the device memory (the run's check before its first step refuses it);"
+                     " HINT: lower `--stage-memory-gib` (default: half the device memory), the microbatch size or"
+                     " the sequence length; in the overlapped modes a second pool bank is counted.")
     return "\n".join(lines)
 
 

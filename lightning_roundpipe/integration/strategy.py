@@ -64,7 +64,9 @@ def format_stage_table(stages: Sequence[Any], layer_names: Sequence[str]) -> str
 def stage_memory_bytes(devices: Sequence[torch.device], device_memory_bytes: int | Sequence[int] | None) -> int | None:
     """The memory budget of one stage on one worker: half of a device's memory (double buffering: the
     next stage is prefetched). ``device_memory_bytes`` (one worker's memory; with one per worker, the
-    smallest) when given; else, on GPUs, the first GPU's total memory shared by the logical workers on one GPU
+    smallest) when given; else, on GPUs, the first GPU's measured usable memory
+    (:func:`~lightning_roundpipe.runtime.backends.cuda.usable_device_bytes`: free memory less a margin,
+    not ``total_memory``) shared by the logical workers on one GPU
     (``parallel_devices=[torch.device("cuda:0")] * 4``: four workers with their own streams on one
     GPU; the most crowded GPU counts); ``None`` on CPU virtual devices without a budget."""
     if device_memory_bytes is not None:
@@ -76,7 +78,9 @@ def stage_memory_bytes(devices: Sequence[torch.device], device_memory_bytes: int
     for d in map(torch.device, devices):
         index = d.index if d.index is not None else torch.cuda.current_device()
         counts[index] = counts.get(index, 0) + 1
-    return torch.cuda.get_device_properties(first).total_memory // (2 * max(counts.values()))
+    from lightning_roundpipe.runtime.backends.cuda import usable_device_bytes
+
+    return usable_device_bytes(first) // (2 * max(counts.values()))
 
 
 def _make_config(config: RoundPipeConfig | None, given: dict[str, Any]) -> RoundPipeConfig:

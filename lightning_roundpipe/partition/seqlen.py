@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from lightning_roundpipe.partition.costmodel import ModelledProfiles
-from lightning_roundpipe.partition.partitioner import stage_memory
+from lightning_roundpipe.partition.memory import StageBytes, device_peaks
 from lightning_roundpipe.schedule.buffers import device_slots
 from lightning_roundpipe.schedule.lower import lower
 from lightning_roundpipe.schedule.plan import StageSpec
@@ -68,26 +68,24 @@ def transfer_pool_bytes(mp: ModelledProfiles, stages: Stages, num_devices: int, 
 
 
 def peak_device_memory_bytes(mp: ModelledProfiles, stages: Stages, num_devices: int,
-                             num_microbatches: int | None = None) -> int:
-    """The modelled peak bytes on any device for one step of ``stages`` (see the module docstring);
-    with ``num_microbatches``, the transfer pool of that step's program is included.
+                             num_microbatches: int | None = None, *, banks: int = 1,
+                             stage_bytes: Sequence[StageBytes] | None = None) -> int:
+    """The modelled peak bytes on any device for one step of ``stages``: the one memory model,
+    :func:`~lightning_roundpipe.partition.memory.device_peaks` (pools x ``banks``, accumulators and
+    dequantised copies from ``stage_bytes``); with ``num_microbatches``, the transfer pool of that
+    step's program is included.
 
     Raises:
         ValueError: for ``num_devices < 1`` or an unknown stage kind.
     """
     if num_devices < 1:
         raise ValueError(f"`num_devices` must be >= 1, got {num_devices}.")
-    mems, params = [], []
-    for kind, layers in stages:
-        if kind not in ("forward", "fused", "backward"):
-            raise ValueError(f"Stage kind must be 'forward', 'fused' or 'backward', got {kind!r}.")
-        mems.append(stage_memory(mp.profiles, layers, kind, mp.saved_activation_bytes))
-        params.append(sum(mp.profiles[i].param_bytes for i in layers))
-    slots = 2 if len(stages) > num_devices else 1  # a device that runs one stage never prefetches
-    pool = slots * max(params, default=0)
-    if num_microbatches is not None:
-        pool += transfer_pool_bytes(mp, stages, num_devices, num_microbatches)
-    return max(m - params[k] + pool for k, m in enumerate(mems))
+    if not stages:
+        return 0
+    transfers = transfer_pool_bytes(mp, stages, num_devices, num_microbatches) if num_microbatches is not None else 0
+    peaks = device_peaks(mp.profiles, stages, num_devices, saved_activation_bytes=mp.saved_activation_bytes,
+                         stage_bytes=stage_bytes, transfer_bytes=transfers, banks=banks)
+    return max(p.peak_bytes for p in peaks)
 
 
 def planned_max_seq_len(modelled: Callable[[int], ModelledProfiles], stages: Stages, num_devices: int,

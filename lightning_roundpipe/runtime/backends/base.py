@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from lightning_roundpipe.runtime.backends.budget import host_side
 from lightning_roundpipe.runtime.backends.checker import Access
 from lightning_roundpipe.runtime.backends.pool import SlotPool, StagePool, pack
 from lightning_roundpipe.runtime.execution.devices import StreamThread
@@ -249,8 +250,10 @@ class Backend(abc.ABC):
         """
 
     def allocate_host_bytes(self, nbytes: int) -> torch.Tensor:
-        """A new host staging block of ``nbytes`` bytes (``uint8``; exact size, pinned on CUDA)."""
-        return torch.empty(nbytes, dtype=torch.uint8)
+        """A new host staging block of ``nbytes`` bytes (``uint8``; exact size, pinned on CUDA); made inside
+        a ``d2h`` op too, where a CPU virtual device's memory ledger must not count it (host memory)."""
+        with host_side():
+            return torch.empty(nbytes, dtype=torch.uint8)
 
     def pop_step_memory_peak(self) -> int | None:
         """Most bytes allocated on the device at once since the last call, bytes (CUDA: the caching
@@ -267,6 +270,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def elapsed_s(self, start: Any, end: Any) -> float:
         """Seconds between two :meth:`mark` s (device time on CUDA)."""
+
+    def device_budget_bytes(self) -> int | None:
+        """Bytes this device may hold at once, for the memory model's check before a program runs
+        (:mod:`~lightning_roundpipe.runtime.tuning.device_memory`): a CPU virtual device's
+        ``device_memory_bytes`` (``None``: unlimited); CUDA: measured free memory less a margin."""
+        ledger = getattr(self, "memory", None)
+        return None if ledger is None else ledger.budget_bytes
 
     def measured_stage_budget(self) -> int | None:
         """Bytes one stage may use on this device, measured after the profiled steps (CUDA); ``None``

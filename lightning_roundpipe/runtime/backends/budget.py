@@ -7,14 +7,21 @@ keeps a :class:`DeviceMemoryLedger` of the bytes that live on it:
 - **the device's pools** (``allocate_bytes``), checked *before* they are allocated: the stage weight
   slots, the transfer slots the ``h2d`` uploads land in (inputs, incoming gradients) and the fp32
   gradient accumulators (:mod:`~lightning_roundpipe.runtime.backends.pool`);
-- **everything the device's compute creates**: a ``TorchDispatchMode`` on the compute thread counts
-  the storage of every op output (forward, recomputation, autograd's backward, the weight-gradient
+- **everything the device's streams create**: a ``TorchDispatchMode`` around every op of every stream
+  (compute, and the copy engines: a buffer the ``weights`` stream clones) counts the storage of every op
+  output that is a new storage (a view or an in-place result of an input, e.g. a copy into a host staging
+  block, is not an allocation; host staging blocks a download takes are made under :func:`host_side`) (forward, recomputation, autograd's backward, the weight-gradient
   accumulators); this is the sound choice among the two the issue names: torch's CPU allocator has
   no Python hook (its memory reporting needs the profiler), while the ops' outputs *are* the
   tensors a GPU would hold: the saved activations autograd keeps and the per-op transients
   (a kernel's internal scratch space is not visible, as it is not to ``torch.cuda.memory_allocated``).
   An output's bytes are checked when the op returns, before any further op runs; the output is
   dropped with the error.
+
+Measuring without a budget: ``budget_bytes=None`` (``LIGHTNING_ROUNDPIPE_MEASURE_DEVICE_MEMORY=1``
+gives every CPU virtual device without ``device_memory_bytes`` such a ledger) counts the same bytes and
+never raises, so the peak the memory model predicts can be compared with the measured one
+(:mod:`lightning_roundpipe.partition.memory`).
 
 A storage is counted once (views and in-place results share it) and released when it is freed
 (``weakref.finalize`` on the storage, which torch keeps alive exactly as long as its data). When a
@@ -26,6 +33,8 @@ subclasses (``torch.OutOfMemoryError``), so one ``except torch.OutOfMemoryError`
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import weakref
 from typing import Any
@@ -33,6 +42,30 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+
+_HOST = threading.local()
+
+#: environment variable that gives CPU virtual devices without a budget a measuring ledger (no limit)
+MEASURE_ENV = "LIGHTNING_ROUNDPIPE_MEASURE_DEVICE_MEMORY"
+
+
+def measuring_default() -> bool:
+    """Whether CPU virtual devices without ``device_memory_bytes`` measure their memory anyway
+    (``LIGHTNING_ROUNDPIPE_MEASURE_DEVICE_MEMORY=1``)."""
+    return os.environ.get(MEASURE_ENV, "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def host_side():
+    """Allocations made in this thread meanwhile are host memory (a staging block a download lands in,
+    made inside a ``d2h`` op): no ledger counts them."""
+    before = getattr(_HOST, "active", False)
+    _HOST.active = True
+    try:
+        yield
+    finally:
+        _HOST.active = before
 
 
 def _size(nbytes: int) -> str:
@@ -81,7 +114,7 @@ class DeviceMemoryLedger:
 
     Args:
         device_index: the device (for messages).
-        budget_bytes: the budget, bytes (> 0).
+        budget_bytes: the budget, bytes (> 0); ``None``: measure only (never raises).
 
     Attributes:
         in_use_bytes: bytes live now.
@@ -89,9 +122,9 @@ class DeviceMemoryLedger:
         step_peak_bytes: the same since the last :meth:`pop_step_peak` (the per-step metric's own counter).
     """
 
-    def __init__(self, device_index: int, budget_bytes: int) -> None:
+    def __init__(self, device_index: int, budget_bytes: int | None) -> None:
         self.device_index = device_index
-        self.budget_bytes = int(budget_bytes)
+        self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
         self.in_use_bytes = 0
         self.peak_bytes = 0
         self.step_peak_bytes = 0
@@ -125,7 +158,7 @@ class DeviceMemoryLedger:
         """Raise :class:`DeviceMemoryError` if ``nbytes`` more would exceed the budget (nothing is counted)."""
         with self._lock:
             in_use = self.in_use_bytes
-        if in_use + nbytes > self.budget_bytes:
+        if self.budget_bytes is not None and in_use + nbytes > self.budget_bytes:
             raise DeviceMemoryError(self.device_index, self.where, nbytes, in_use, self.budget_bytes)
 
     def track(self, tensor: torch.Tensor) -> None:
@@ -142,7 +175,7 @@ class DeviceMemoryLedger:
             if key in self._storages:
                 return
             in_use = self.in_use_bytes
-            if in_use + nbytes > self.budget_bytes:
+            if self.budget_bytes is not None and in_use + nbytes > self.budget_bytes:
                 error = DeviceMemoryError(self.device_index, self.where, nbytes, in_use, self.budget_bytes)
             else:
                 error = None
@@ -174,6 +207,14 @@ class _CountOutputs(TorchDispatchMode):
         self.ledger = ledger
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ledger.track_tree(out)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(_HOST, "active", False):
+            return out
+        inputs = {leaf.untyped_storage().data_ptr() for leaf in pytree.tree_leaves((args, kwargs))
+                  if isinstance(leaf, torch.Tensor)}
+        for leaf in pytree.tree_leaves(out):
+            # a view or an in-place result of an input (a copy into a pooled slot or a host block) is no allocation
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in inputs:
+                self.ledger.track(leaf)
         return out

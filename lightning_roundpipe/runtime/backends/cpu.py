@@ -25,7 +25,7 @@ at least ``bytes / link_bytes_per_s`` seconds (the modelled PCIe regime); ``None
 copy runs.
 
 Memory budget: with ``device_memory_bytes`` set, the device counts the bytes that live on it (its
-pools: stage weights, activation transfers, gradient accumulators; everything its compute creates) and raises
+pools: stage weights, activation transfers, gradient accumulators; everything its streams create) and raises
 :class:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryError` before the budget would be
 exceeded (:mod:`~lightning_roundpipe.runtime.backends.budget`).
 
@@ -54,7 +54,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_roundpipe.runtime.backends.base import Backend
-from lightning_roundpipe.runtime.backends.budget import DeviceMemoryLedger
+from lightning_roundpipe.runtime.backends.budget import DeviceMemoryLedger, measuring_default
 from lightning_roundpipe.runtime.backends.checker import Access, StreamChecker
 from lightning_roundpipe.runtime.backends.threads import limit_this_thread
 from lightning_roundpipe.schedule.program import STREAMS
@@ -198,7 +198,8 @@ class CpuBackend(Backend):
         self.h2d_link = Link(link_bytes_per_s)
         self.d2h_link = Link(link_bytes_per_s)
         self.copy_delay_s = float(copy_delay_s)
-        self.memory = None if device_memory_bytes is None else DeviceMemoryLedger(device_index, device_memory_bytes)
+        measure = device_memory_bytes is not None or measuring_default()  # no budget: measure only
+        self.memory = DeviceMemoryLedger(device_index, device_memory_bytes) if measure else None
         self.checker = checker
         self._gate = threading.Event()
         self._gate.set()
@@ -245,7 +246,7 @@ class CpuBackend(Backend):
         if self.memory is None:
             return contextlib.nullcontext()
         self.memory.set_where(label)
-        return self.memory.counting() if stream == "compute" else contextlib.nullcontext()
+        return self.memory.counting()  # every stream: the copy engines' clones are device memory too
 
     def _thread_setup(self, stream: str) -> None:
         limit_this_thread(1)

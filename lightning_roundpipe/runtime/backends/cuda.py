@@ -200,6 +200,11 @@ class CudaBackend(Backend):
         usable = free + torch.cuda.memory_reserved(self.device) - others - margin
         return max(0, usable // 2)
 
+    def device_budget_bytes(self) -> int:
+        """Bytes this process may hold on the GPU (:func:`usable_device_bytes`); logical devices sharing
+        one GPU each see all of it (the check before a program counts each one's own peak)."""
+        return usable_device_bytes(self.device)
+
     def allocate_bytes(self, nbytes: int, what: str | None = None) -> torch.Tensor:
         # the pool keeps the buffer for the run; reuse is ordered by the program's edges (DROP -> LOAD
         # for stage slots, reader -> refill for transfer slots), so no record_stream (which would keep
@@ -211,6 +216,23 @@ class CudaBackend(Backend):
     def copy_chunk(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
         for dst, src in pieces:
             dst.copy_(src, non_blocking=True)
+
+
+#: the margin :func:`usable_device_bytes` leaves: at least this many bytes...
+USABLE_MARGIN_BYTES = 512 * 2**20
+#: ... or this fraction of the card, whichever is larger
+USABLE_MARGIN_FRACTION = 0.05
+
+
+def usable_device_bytes(device: torch.device) -> int:
+    """Bytes this process may hold on ``device``, measured: free memory (``torch.cuda.mem_get_info``)
+    plus what torch's caching allocator already reserves (RoundPipe's pools among it), less a margin of
+    ``max(512 MiB, 5 %`` of the card) for fragmentation, the CUDA context's growth and library
+    workspaces (cuBLAS, cuDNN). Other processes' memory and the CUDA context are left out, unlike
+    ``total_memory``."""
+    free, total = torch.cuda.mem_get_info(device)
+    margin = max(USABLE_MARGIN_BYTES, int(total * USABLE_MARGIN_FRACTION))
+    return max(0, free + torch.cuda.memory_reserved(device) - margin)
 
 
 def measure_links(backends: list, nbytes: int = 64 * 2**20) -> tuple[float, float]:

@@ -171,6 +171,8 @@ class RoundPipeEngine:
         self.info: Callable[[str], None] = log.info
         """Where the engine reports a new partition (the strategy passes Lightning's ``rank_zero_info``)."""
         self._host_calls = threading.local()  # depth of `generate` calls in this thread
+        self.executor.memory_check = self._check_memory
+        self.executor.transfer_sizes = self._transfer_sizes
         self.overlap = StepOverlap(self)
         self.overlap_next = False
         """Set before a training call whose fused program may still drain when the call returns
@@ -214,6 +216,20 @@ class RoundPipeEngine:
                    profile_steps=config.profile_steps if fitting else None, loss_seed=loss_seed,
                    balance_microbatches=config.balance_microbatches, check_streams=config.check_streams,
                    frozen_weights=config.frozen_weights)
+
+    def _check_memory(self, program: StreamProgram, state: PipelineState, banks: int) -> str | None:
+        """The executor's check before a program's pools are reserved:
+        :func:`~lightning_roundpipe.runtime.tuning.device_memory.check_program`."""
+        from lightning_roundpipe.runtime.tuning.device_memory import check_program
+
+        return check_program(self, program, state, banks)
+
+    def _transfer_sizes(self, program: StreamProgram) -> list[int] | None:
+        """The executor's transfer slots reserved before a program:
+        :func:`~lightning_roundpipe.runtime.tuning.device_memory.planned_transfer_sizes`."""
+        from lightning_roundpipe.runtime.tuning.device_memory import planned_transfer_sizes
+
+        return planned_transfer_sizes(self, program)
 
     def pop_device_memory_peaks(self) -> list[int] | None:
         """Per CPU virtual device, the most bytes live at once (weights, activations, op outputs)

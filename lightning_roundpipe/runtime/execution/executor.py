@@ -91,6 +91,17 @@ class Executor(TransferOps):
         self.one_bank: str | None = None
         """Why programs no longer overlap (the second pool bank did not fit in a device's memory: the
         error), else ``None``."""
+        self.expect_overlap = False
+        """Set (for good) once a call may overlap the next: the second pool bank is then reserved with the
+        first, before the first program (:meth:`~TransferOps._pools_for`)."""
+        self.transfer_sizes: Callable[[StreamProgram], list[int] | None] | None = None
+        """Main thread: the program's transfer slot sizes to reserve before it runs (the memory model's
+        boundaries), else ``None`` (slots grow inside the first program)."""
+        self.memory_check: Callable[[StreamProgram, PipelineState, int], str | None] | None = None
+        """Main thread, before a program's pools are reserved: ``(program, state, banks) -> reason`` checks
+        the memory model's per-device peak with ``banks`` pool banks against each device's budget; returns
+        why a second bank does not fit (the run then uses one), or raises when one does not
+        (:func:`~lightning_roundpipe.runtime.tuning.device_memory.check_budgets`)."""
         self.peak_grad_bytes = 0  # most bytes of gradients (.grad and host buffers) at once since the last pop
         self.grads_final_hook: Callable[[range, dict | None], None] | None = None
         """Host thread, after a backward stage's last dispatch of the program added its gradients
@@ -161,23 +172,7 @@ class Executor(TransferOps):
         if self.in_flight and self.one_bank is not None:
             while self.in_flight:
                 self.finish(self.in_flight[0])
-        bank = 1 - self.in_flight[-1].bank if self.in_flight else 0
-        try:
-            self._reserve_pools(program, state.keep, bank)
-        except torch.OutOfMemoryError as error:
-            if not self.in_flight:
-                raise
-            self.one_bank = f"{type(error).__name__}: {error}"
-        if self.one_bank is not None and bank == 1:
-            # the second bank does not fit: free it (outside the handler: its traceback holds the new
-            # buffers), finish the run in flight, and from now on run one program at a time (the overlap
-            # costs a second set of pools; DESIGN.md section 4)
-            for backend in self.backends:
-                del backend.banks[1:]
-            while self.in_flight:
-                self.finish(self.in_flight[0])
-            bank = 0
-            self._reserve_pools(program, state.keep, bank)
+        bank = self._pools_for(program, state)
         checker = self.backends[0].checker if self.backends else None
         if checker is not None:
             if self.in_flight:
@@ -364,11 +359,25 @@ class Executor(TransferOps):
         try:
             with backend.op_scope(stream, f"stage {op.stage_index}, {op}"):
                 run.nbytes[op] = self._dispatch[op.kind](backend, op, run) or 0
+                if stream == "compute" and self.store.fp8_weights and op in _last_compute_ops(run.program):
+                    self._release_dequantised(backend, op, run)
         except _Aborted:
             return
         except BaseException as error:
             run.fail(error, self.error_notes.note(error, backend.device_index, str(backend.device), op, stream,
                                                   run.plan.stages[op.stage_index], self.replicas[backend.device_index]))
+
+    def _release_dequantised(self, backend: Backend, op: Op, run: ProgramRun) -> None:
+        """After a stage's last compute op of its residency: unbind and free its fp8 weights' dequantised
+        copies (:meth:`~lightning_roundpipe.runtime.host.store.ResidentStage.release_dequantised`), so a
+        device holds one stage's copies at a time (the memory model counts one)."""
+        resident = run.resident.get(self._stage_key(run, op))
+        if resident is None or not resident.quantised or resident.released:
+            return
+        replicas = self.replicas[backend.device_index]
+        for li in run.plan.stages[op.stage_index].layers:
+            replicas[li].unbind(resident.layer_tensors(li))
+        resident.release_dequantised()
 
     def _commit_grads(self, run: ProgramRun) -> None:
         """Host thread: add each backward dispatch's gradients, in (round, backward stage) order."""
@@ -576,3 +585,18 @@ class Executor(TransferOps):
         run.profile_marks.clear()
 
 
+def _last_compute_ops(program: StreamProgram) -> frozenset[Op]:
+    """Per device, the last op of each (stage, round) residency on its ``compute`` stream (cached on the plan)."""
+    cache = program.plan._meta.setdefault("_last_compute_ops", {})
+    held = cache.get(id(program))
+    got = held[1] if held is not None and held[0] is program else None
+    if got is None:
+        rounds = round_of(program)
+        last: dict[tuple[int, int, int], Op] = {}
+        for device_index, streams in enumerate(program.streams):
+            for op in streams["compute"]:
+                if op.microbatch_index is not None:
+                    last[(device_index, op.stage_index, rounds[(op.stage_index, op.microbatch_index)])] = op
+        got = frozenset(last.values())
+        cache[id(program)] = (program, got)
+    return got

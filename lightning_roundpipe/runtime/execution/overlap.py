@@ -49,6 +49,15 @@ class _Pending:
     finished: bool = False
     added: bool = False
     extra: dict = field(default_factory=dict)
+    snapshot: PipelineState | None = None  # the call's state before its program ran (a rerun on one bank)
+
+
+def _snapshot(state: PipelineState) -> PipelineState:
+    """The call's state as it was before its program ran (its inputs, seeds and loss seed): a rerun of the
+    program on one pool bank starts from it with fresh gradient buffers."""
+    return PipelineState(num_microbatches=state.num_microbatches, acts=dict(state.acts), keep=state.keep,
+                         base_seed=state.base_seed, rng_layers=state.rng_layers, grad_sink={},
+                         loss_seed=state.loss_seed, input_grad_positions=state.input_grad_positions)
 
 
 def _scaled(buffer: torch.Tensor, grad: torch.Tensor, seed: float) -> torch.Tensor:
@@ -68,20 +77,39 @@ class StepOverlap:
         self.pending: list[_Pending] = []
         self._open: list[_Pending] = []  # calls whose gradients are not in .grad yet
         self.told_one_bank = False
+        self.overlap_proven = False  # a program on the second pool bank has completed: no fallback after
 
     # ------------------------------------------------------------------ finishing
     def _finish(self, pending: _Pending) -> None:
         """Wait for ``pending``'s run, keep its timeline, and add its gradients if its backward ran."""
         self.pending.remove(pending)
         already = pending.run.done and pending.run.timeline is None  # failed, its error raised before
+        reason = None
         try:
             timeline = None if already else self.engine.executor.finish(pending.run)
+        except torch.OutOfMemoryError as error:
+            if not self._may_fall_back(pending.run):
+                self._close(pending)  # its gradients are lost with the error
+                raise
+            reason = f"{type(error).__name__}: {error}"  # rerun below, outside the handler (its traceback holds memory)
         except BaseException:
             self._close(pending)  # its gradients are lost with the error
             raise
+        if reason is not None:  # the first program on the second bank ran out of memory: rerun it on one bank
+            self._fall_back(reason)
+            state = _snapshot(pending.snapshot)
+            run = self.engine.executor.start(pending.run.program, state)
+            pending.run, pending.sink = run, state.grad_sink
+            try:
+                timeline = self.engine.executor.finish(run)
+            except BaseException:
+                self._close(pending)
+                raise
         if timeline is None:  # a failed run adds nothing
             self._close(pending)
             return
+        if pending.run.bank == 1:
+            self.overlap_proven = True
         self.engine._keep(timeline, pending.run.program)
         pending.finished = True
         if pending.grad is not None:
@@ -129,6 +157,33 @@ class StepOverlap:
             if pending.finished:
                 self._close(pending)
 
+    def _may_fall_back(self, run: ProgramRun) -> bool:
+        """Whether an out-of-memory error of ``run`` is the second pool bank's: no program on it has
+        completed yet and it is held (reserved eagerly, or ``run`` uses it)."""
+        executor = self.engine.executor
+        return (executor.one_bank is None and not self.overlap_proven and self.engine.seq.routing is None
+                and (run.bank == 1 or len(executor.backends[0].banks) > 1))
+
+    def _fall_back(self, reason: str) -> None:
+        """Run one program at a time from now on (:attr:`Executor.one_bank`): finish the runs in flight
+        (their gradients are added as usual), free the second pool bank, say so once."""
+        executor = self.engine.executor
+        executor.one_bank = reason
+        self.drain()
+        while executor.in_flight:
+            executor.finish(executor.in_flight[0])
+        for backend in executor.backends:
+            del backend.banks[1:]
+        self._tell_one_bank()
+
+    def _tell_one_bank(self) -> None:
+        if self.engine.executor.one_bank is not None and not self.told_one_bank:
+            self.told_one_bank = True
+            self.engine.info("RoundPipe: the next batch's pipeline no longer overlaps the previous one's drain: a"
+                             f" second set of device pools does not fit ({self.engine.executor.one_bank}). HINT:"
+                             " smaller stages (`device_memory_bytes`, `partition='auto'`) or fewer microbatch rows"
+                             " bring the overlap back.")
+
     def allowed(self, grad_inputs: list) -> bool:
         """Whether this fused call may be overlapped with the next (consumes ``engine.overlap_next``)."""
         engine = self.engine
@@ -160,18 +215,17 @@ class StepOverlap:
         if engine.on_fused_call is not None:
             engine.on_fused_call()
         overlap = self.allowed(grad_inputs)
+        if overlap:  # the second pool bank is reserved with the first, before this call's program
+            engine.executor.expect_overlap = True
         if engine.before_fused_start is not None:
             engine.before_fused_start()
         state.loss_seed = seed
         state.grad_sink = {}
         engine._last_call, engine._last_sizes = (m, True), list(sizes)
         program = engine.program(m, engine._advance(len(engine.fused_stages)), fused=True)
+        snapshot = _snapshot(state)
         run = engine.executor.start(program, state)  # behind the previous call's drain, if one is in flight
-        if engine.executor.one_bank is not None and not self.told_one_bank:
-            self.told_one_bank = True
-            engine.info("RoundPipe: the next batch's pipeline no longer overlaps the previous one's drain: a second"
-                        f" set of device pools does not fit ({engine.executor.one_bank}). HINT: smaller stages"
-                        " (`device_memory_bytes`, `partition='auto'`) or fewer microbatch rows bring the overlap back.")
+        self._tell_one_bank()
         try:
             self.drain()  # the previous call's run: its gradients go into .grad before this call's
         except BaseException:
@@ -179,16 +233,27 @@ class StepOverlap:
                 with contextlib.suppress(BaseException):
                     engine.executor.finish(run)
             raise
-        pending = None
-        if overlap:
-            tail = next(s.stage_index for s in engine.fused_stages if s.fused)
-            engine.executor.wait_ops(run, [Op(OpKind.D2H, tail, mb) for mb in range(m)])
-            if run.error is not None:  # raise it now, with the run's cleanup
+        pending, reason = None, None
+        try:
+            if overlap:
+                tail = next(s.stage_index for s in engine.fused_stages if s.fused)
+                engine.executor.wait_ops(run, [Op(OpKind.D2H, tail, mb) for mb in range(m)])
+                if run.error is not None:  # raise it now, with the run's cleanup
+                    engine._keep(engine.executor.finish(run), program)
+                pending = _Pending(run, state.grad_sink, seed, snapshot=snapshot)
+                self.pending.append(pending)
+                self._open.append(pending)
+            else:
                 engine._keep(engine.executor.finish(run), program)
-            pending = _Pending(run, state.grad_sink, seed)
-            self.pending.append(pending)
-            self._open.append(pending)
-        else:
+                self.overlap_proven |= run.bank == 1
+        except torch.OutOfMemoryError as error:
+            if not self._may_fall_back(run):
+                raise
+            reason = f"{type(error).__name__}: {error}"  # rerun below, outside the handler (its traceback holds memory)
+        if reason is not None:  # the first program with the second bank held ran out of memory: rerun on one bank
+            self._fall_back(reason)
+            state = _snapshot(snapshot)
+            run = engine.executor.start(program, state)
             engine._keep(engine.executor.finish(run), program)
         key = engine.seq.loss_key
         loss = merge_leaves([[state.final.pop(i)[key]] for i in range(m)])[0]

@@ -55,7 +55,53 @@ class TransferOps:
             return run.master_grad_bytes
         return self.store.grad_bytes()
 
-    def _reserve_pools(self, program: StreamProgram, keep: frozenset, bank: int = 0) -> None:
+    def _pools_for(self, program: StreamProgram, state: Any) -> int:
+        """Before a program is issued (main thread; at most one run in flight, on the other bank): check
+        the memory model, reserve the program's pools and return the bank it runs on.
+
+        The model (``memory_check``) counts two banks when this program overlaps a run in flight, or
+        will be overlapped (``expect_overlap``); when two do not fit and one does, the run falls back to
+        one bank before anything of the second is allocated (``one_bank`` says why; the engine says so
+        once). The second bank is reserved eagerly with the first (stage slots and accumulators as
+        bank 0's, transfer slots sized from bank 0's), before the first program; an out-of-memory error
+        reserving it falls back to one bank too.
+
+        Raises:
+            PlanMemoryError / torch.OutOfMemoryError: one bank does not fit a device.
+        """
+        bank = 1 - self.in_flight[-1].bank if self.in_flight else 0
+        overlapped = self.one_bank is None and (bank == 1 or self.expect_overlap or len(self.backends[0].banks) > 1)
+        if self.memory_check is not None:  # the memory model, before anything of this program is allocated
+            reason = self.memory_check(program, state, 2 if overlapped else 1)
+            if reason is not None and overlapped:
+                self.one_bank = reason
+        if bank == 1 and self.one_bank is None:
+            try:
+                self._reserve_pools(program, state.keep, 1)
+            except torch.OutOfMemoryError as error:
+                self.one_bank = f"{type(error).__name__}: {error}"
+        if self.one_bank is not None and (bank == 1 or len(self.backends[0].banks) > 1):
+            # the second bank does not fit: free it (outside any handler: a traceback would hold the new
+            # buffers), finish the run in flight, and from now on run one program at a time (the overlap
+            # costs a second set of pools; DESIGN.md section 4)
+            while self.in_flight:
+                self.finish(self.in_flight[0])
+            for backend in self.backends:
+                del backend.banks[1:]
+            bank = 0
+        if bank == 0:
+            self._reserve_pools(program, state.keep, 0)
+            if overlapped and self.one_bank is None and len(self.backends[0].banks) == 1:
+                try:  # eagerly, sized from bank 0, before the first program that needs it
+                    self._reserve_pools(program, state.keep, 1, from_bank=0)
+                except torch.OutOfMemoryError as error:
+                    self.one_bank = f"{type(error).__name__}: {error}"
+                if self.one_bank is not None:
+                    for backend in self.backends:
+                        del backend.banks[1:]
+        return bank
+
+    def _reserve_pools(self, program: StreamProgram, keep: frozenset, bank: int = 0, from_bank: int | None = None) -> None:
         """Before a program is issued: every device's stage pool has a slot per stage it holds at once,
         each as large as the program's largest stage, and as many fp32 gradient accumulators, each as
         large as the largest backward stage's (allocated only when that grows); the transfers' slot
@@ -79,9 +125,21 @@ class TransferOps:
                 pools = backend.bank(bank)
                 backend.pool_label = (f"the stage weight pool{f' (bank {bank})' if bank else ''}, before any LOAD:"
                                       f" {count} slot(s) of {sizes[largest]} bytes for the largest stage, {spec.describe()}")
-                pools.pool.reserve(count, sizes[largest])
+                with backend.stream_context("weights"):  # the stream that fills them
+                    pools.pool.reserve(count, sizes[largest])
                 if accumulate:
-                    pools.accumulator_pool.ensure([accumulate] * count)
+                    with backend.stream_context("compute"):
+                        pools.accumulator_pool.ensure([accumulate] * count)
+        transfers = self.transfer_sizes(program) if self.transfer_sizes is not None else None
+        for backend in self.backends:
+            wanted = list(transfers or [])
+            if from_bank is not None:  # sized from the other bank's slots (what its programs measured)
+                held = [0 if b is None else b.numel() for b in backend.bank(from_bank).transfer_pool.buffers]
+                count = max(len(wanted), len(held))
+                wanted = [max(x, y) for x, y in zip(wanted + [0] * (count - len(wanted)), held + [0] * (count - len(held)))]
+            if wanted:
+                with backend.stream_context("h2d"):  # the stream that fills them, before the first program
+                    backend.bank(bank).transfer_pool.ensure(wanted)
 
     def _settle_pools(self, run: ProgramRun, ok: bool) -> None:
         """After a program has completed: free the buffers that grew during it and, when it ran, size

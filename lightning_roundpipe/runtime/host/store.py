@@ -173,6 +173,15 @@ class ResidentStage:
     quantised: dict[int, tuple[torch.Tensor, torch.dtype]] = field(default_factory=dict)
     dequantised: dict[int, torch.Tensor] = field(default_factory=dict)
     saved_buffers: list[bool] = field(default_factory=list)
+    released: bool = False  # the dequantised weights were freed after the stage's last compute op
+
+    def release_dequantised(self) -> None:
+        """After the stage's last compute op of this residency (on the compute stream, which made
+        them): free the dequantised weights now rather than at the ``DROP``, which runs on the ``d2h``
+        stream and may come after the next stage's first op (two stages' copies at once); later
+        :meth:`layer_tensors` calls (the ``DROP``'s unbind) return the codes' views."""
+        self.released = True
+        self.dequantised.clear()
 
     @property
     def nbytes(self) -> int:
@@ -188,7 +197,7 @@ class ResidentStage:
         out = {}
         for name, k in self.layout.names[layer_index]:
             tensor = self.views[k]
-            if k in self.quantised:
+            if k in self.quantised and not self.released:
                 tensor = self.dequantised.get(k)
                 if tensor is None:
                     scale, dtype = self.quantised[k]

@@ -206,20 +206,26 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
                 for rule in rules:
                     if rule == "round_robin" and i >= round_robin_fits:
                         continue
+                    if not fits_memory(engine, candidate, count, per_round, rule if both else None):
+                        continue
                     try:
                         step_s = simulated_step_s(engine, candidate, profiles, per_round, count,
                                                   **({"dispatch_rule": rule} if both else {}))
                     except ValueError:  # the weighted rule: a stage no device's memory holds
                         continue
                     timed.append((step_s, len(timed), i, per_round, count, rule))
+    if not timed:  # no candidate fits the memory model: the first (the check before the step names the device)
+        return PlanChoice(candidates[0], engine.microbatches_per_round)
     if both:  # the weighted dispatch only by DISPATCH_MARGIN; the search below runs within the chosen rule
-        plain = min(t for t in timed if t[5] == "round_robin")
+        plain = min((t for t in timed if t[5] == "round_robin"), default=None)  # None: none fits the memory model
         weighted = min((t for t in timed if t[5] == "weighted"), default=None)
-        rule = "weighted" if weighted is not None and weighted[0] < (1 - DISPATCH_MARGIN) * plain[0] else "round_robin"
-        gain = 0.0 if weighted is None else 1 - weighted[0] / plain[0]
+        rule = "weighted" if weighted is not None and (plain is None or weighted[0] < (1 - DISPATCH_MARGIN) * plain[0]) \
+            else "round_robin"
+        gain = 0.0 if weighted is None or plain is None else 1 - weighted[0] / plain[0]
         dispatch_note = (f"; dispatch {rule.replace('_', ' ')} (device speeds {describe_speeds(engine)}): weighted"
                          f" {'n/a' if weighted is None else f'{weighted[0] * 1e3:.1f} ms'} vs round robin"
-                         f" {plain[0] * 1e3:.1f} ms, {100 * gain:.1f}% faster"
+                         f" {'n/a (no partition fits)' if plain is None else f'{plain[0] * 1e3:.1f} ms'},"
+                         f" {100 * gain:.1f}% faster"
                          f"{'' if rule == 'weighted' else f', under the {100 * DISPATCH_MARGIN:.0f}% margin'}")
         timed = [t for t in timed if t[5] == rule]
     else:
@@ -261,6 +267,25 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
                 f" {describe_rounds(per_round, count)}{cut} (simulated step {best_s * 1e3:.1f} ms){single}{dispatch_note}")
     set_dispatch_rule(engine, rule)
     return PlanChoice(candidates[index], per_round, best_s, None if count == counts[0] else count, rule)
+
+
+def fits_memory(engine: Any, partition: PartitionPlan, num_microbatches: int, microbatches_per_round: int | None,
+                dispatch_rule: str | None = None) -> bool:
+    """Whether the memory model's one-bank peak of ``partition``'s plan (the last call's shape, fused or not)
+    fits every device's budget (:func:`~lightning_roundpipe.runtime.tuning.device_memory.plans_fit`; the
+    check before each program counts the second bank of the overlapped modes and falls back to one). A
+    plan the weighted rule cannot build counts as fitting here (the timing refuses it)."""
+    from lightning_roundpipe.runtime.tuning.device_memory import plans_fit
+
+    if all(backend.device_budget_bytes() is None for backend in engine.backends):
+        return True
+    _, fused = engine._last_call
+    stages = fused_stages(partition) if fused else build_stages(partition.forward_stages, partition.backward_stages)
+    try:
+        plan = build_plan(engine, stages, num_microbatches, 0, microbatches_per_round, dispatch_rule)
+    except ValueError:
+        return True
+    return plans_fit(engine, [plan])
 
 
 def one_stage(partition: PartitionPlan) -> bool:

@@ -188,7 +188,7 @@ def _probe_spans(backends: Sequence[Any]) -> list[list[float]]:
 
 def device_stage_budgets(engine: Any) -> list[int | None]:
     """Per device, bytes one stage may use: half of its memory (the next stage is prefetched):
-    ``device_memory_bytes`` (per device) when given, else a GPU's total memory shared by the logical
+    ``device_memory_bytes`` (per device) when given, else a GPU's measured usable memory (free less a margin) shared by the logical
     devices on it, lowered to what the profiled steps measured
     (:meth:`~lightning_roundpipe.runtime.backends.cuda.CudaBackend.measured_stage_budget`); ``None``:
     unlimited (CPU virtual devices without a budget)."""
@@ -199,7 +199,9 @@ def device_stage_budgets(engine: Any) -> list[int | None]:
     for backend, memory in zip(engine.backends, per_device_bytes(engine.device_memory_bytes, len(engine.backends))):
         budget = None if memory is None else memory // 2
         if budget is None and backend.is_cuda:
-            budget = torch.cuda.get_device_properties(backend.device).total_memory // (2 * sharing[backend.device])
+            from lightning_roundpipe.runtime.backends.cuda import usable_device_bytes
+
+            budget = usable_device_bytes(backend.device) // (2 * sharing[backend.device])
         measured = backend.measured_stage_budget()
         if measured is not None:
             measured //= sharing[backend.device]
