@@ -25,6 +25,7 @@ from lightning_roundpipe.runtime.execution.autograd import attach
 from lightning_roundpipe.runtime.tuning.autopartition import (choose_partition, describe_choice, fused_stages, hardware_model,
                                                       microbatch_weights, predict_step_s)
 from lightning_roundpipe.runtime.backends import make_backends, smallest_stage_budget, step_memory_peaks
+from lightning_roundpipe.runtime.execution.jitter import pause as jitter_pause
 from lightning_roundpipe.runtime.execution.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.host.memory import HostMemory, host_memory
 from lightning_roundpipe.runtime.execution.overlap import StepOverlap
@@ -449,11 +450,13 @@ class RoundPipeEngine:
                     barrier()
                     WeightStore.add_grads(list(state.grad_sink.values()), None)
                     state.grad_sink = None
+                jitter_pause()  # the main thread's return (schedule jitter, `execution/jitter.py`)
                 return self._input_grads(state, flat, sizes)
 
             attached = attach([merged[i] for i in idx], run_backward, grad_inputs)
             for i, t in zip(idx, attached):
                 merged[i] = t
+        jitter_pause()
         return seq.finalize(pytree.tree_unflatten(merged, spec))
 
     def _input_grads(self, state: PipelineState, batch_leaves: list, sizes: list[int]) -> list:
