@@ -66,3 +66,77 @@ def test_finish_with_a_newer_run_in_flight_reads_completed_timing_spans(seed, mo
                                for i in each.intervals)
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------------- the global generator and the overlap
+def _lora_module(lora_dropout: float = 0.1, draw_in_step: bool = False):
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_hf("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                        lora_dropout=lora_dropout, init_lora_weights="gaussian"))
+
+    class Module(CausalLMModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if draw_in_step:  # user code drawing from the global generator while the previous batch drains
+                loss = loss + 0.0 * torch.rand(64).sum()
+            return loss
+
+    return Module(model, lr=0.5)
+
+
+def _lora_fit(optimizer: str = "sync", overlap: bool = True, draw_in_step: bool = False, **trainer_kw):
+    torch.manual_seed(5)  # the global generator the engine's seeds derive from
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, optimizer=optimizer, overlap_batches=overlap)
+    return fit_params(lambda: _lora_module(draw_in_step=draw_in_step), TokenData(), strategy=strategy, devices=2,
+                      **trainer_kw)
+
+
+RNG_CASES = {  # the issue's repro: LoRA dropout under overlapped accumulation and under async; user draws
+    "accumulate": dict(optimizer="sync", max_steps=3, accumulate_grad_batches=2),
+    "async": dict(optimizer="async", max_steps=4),
+    "accumulate, torch.rand in training_step": dict(optimizer="sync", draw_in_step=True, max_steps=3,
+                                                    accumulate_grad_batches=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RNG_CASES))
+def test_lora_dropout_with_overlapped_runs_equals_the_run_without_overlap(case):
+    """The main thread draws from torch's global CPU generator (the engine's seed, user code) while the
+    previous batch's random layers run on the devices: no false "drew random numbers" error (before
+    the fix: ``ValueError: RoundPipe: layer 4 drew random numbers from torch's global `cpu`
+    generator``), and the same masks as without the overlap, so the same parameters."""
+    kw = RNG_CASES[case]
+    got = _lora_fit(overlap=True, **kw)
+    want = _lora_fit(overlap=False, **kw)
+    assert max_diff(got, want) <= 1e-6
+    assert max_diff(got, {n: p.detach() for n, p in _lora_module(0.0).named_parameters()}) > 1e-4  # it trained
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_guard_does_not_blame_a_layer_for_another_threads_draw(seed):
+    """A layer scope on one thread while the main thread draws from the global CPU generator (as the
+    engine's seed and user code did during an overlapped run): no error; the layer's own draw from
+    it still raises, at the op, naming it."""
+    from lightning_roundpipe.runtime.replay.rng import rng_scope
+
+    inside, drawn = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def layer() -> None:
+        try:
+            with rng_scope(seed, CPU, layer_index=3):
+                inside.set()
+                drawn.wait(30)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=layer)
+    thread.start()
+    assert inside.wait(30)
+    torch.rand(10)  # the main thread's draw, inside the layer's window
+    drawn.set()
+    thread.join(30)
+    assert not errors
+    with pytest.raises(ValueError, match=r"layer 3 drew random numbers from torch's global `cpu` generator \(`aten\."):
+        with rng_scope(seed, CPU, layer_index=3):
+            torch.empty(4).exponential_(generator=torch.default_generator)

@@ -186,6 +186,17 @@ class RoundPipeEngine:
         steady state then runs that step's clipping and hands its update to the optimizer thread).
         Overlapped calls with a :attr:`grad_barrier` are allowed only when this is set."""
         self._original_generate = None
+        self._seed_generator: torch.Generator | None = None
+
+    def next_base_seed(self) -> int:
+        """The ``base_seed`` of the next pipelined call with random layers (main thread), an int in
+        ``[0, 2**62)``: drawn from the engine's own CPU ``torch.Generator``, which is seeded, at the
+        first call, with one ``torch.randint(0, 2**62, (1,))`` from torch's global CPU generator. So
+        ``seed_everything`` reproduces a run, and the main thread does not draw from the global
+        generator while an overlapped run's random layers run (:mod:`~lightning_roundpipe.runtime.replay.rng`)."""
+        if self._seed_generator is None:
+            self._seed_generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+        return int(torch.randint(0, 2**62, (1,), generator=self._seed_generator).item())
 
     @classmethod
     def from_config(cls, seq: LayerSequence, devices: Sequence[torch.device], config: RoundPipeConfig, *,
@@ -406,7 +417,7 @@ class RoundPipeEngine:
         state.rng_layers = rng_layers(seq)
         state.input_grad_positions = grad_pos
         if state.rng_layers:
-            state.base_seed = int(torch.randint(0, 2**62, (1,)).item())
+            state.base_seed = self.next_base_seed()
         if seq.routing is not None:
             state.routing = RoutingStore(seq.routing.layers, m)
         if training:
