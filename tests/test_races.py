@@ -18,7 +18,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 import lightning_roundpipe
-from _helpers import CausalLMModule, TokenData, fit_params, max_diff, tiny_hf
+from _helpers import CausalLMModule, TokenData, fit_params, jitter_seeds, max_diff, tiny_hf, use_jitter
 from lightning_roundpipe.adapters import make_layer_sequence
 from lightning_roundpipe.runtime.execution import jitter
 from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
@@ -27,9 +27,15 @@ from lightning_roundpipe.runtime.execution.microbatch import split_microbatches
 
 CPU = torch.device("cpu")
 
-#: Jitter seeds of the default run, and of the slow run (``pytest -m slow``).
-SEEDS = (0, 1)
-SLOW_SEEDS = tuple(range(2, 8))
+
+def with_seeds(cases: list, default: int) -> list:
+    """``(case, jitter seed)`` parameters: each case under :func:`jitter_seeds` ``(default)``."""
+    out = []
+    for case in cases:
+        for value in jitter_seeds(default):
+            out.append(pytest.param(case, *value.values, marks=value.marks) if hasattr(value, "values")
+                       else (case, value))
+    return out
 
 
 # ---------------------------------------------------------------------- finish with a newer run in flight
@@ -41,7 +47,7 @@ def _forward_run(engine: RoundPipeEngine, x: torch.Tensor, cursor: int):
     return engine.executor.start(engine.program(3, cursor, phase="forward"), state)
 
 
-@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in SLOW_SEEDS[:2])])
+@pytest.mark.parametrize("seed", jitter_seeds(1))
 def test_finish_with_a_newer_run_in_flight_reads_completed_timing_spans(seed, monkeypatch):
     """``Executor.finish`` of a run while a newer one is in flight waits for each stream's last op
     event only; each op's timing end marker comes after that event on its stream. Under jitter the
@@ -99,14 +105,18 @@ RNG_CASES = {  # the issue's repro: LoRA dropout under overlapped accumulation a
 }
 
 
-@pytest.mark.parametrize("case", sorted(RNG_CASES))
-def test_lora_dropout_with_overlapped_runs_equals_the_run_without_overlap(case):
+@pytest.mark.parametrize("case,seed", [(case, None) for case in sorted(RNG_CASES)]
+                         + with_seeds(["accumulate", "async"], 1))
+def test_lora_dropout_with_overlapped_runs_equals_the_run_without_overlap(case, seed, monkeypatch):
     """The main thread draws from torch's global CPU generator (the engine's seed, user code) while the
     previous batch's random layers run on the devices: no false "drew random numbers" error (before
     the fix: ``ValueError: RoundPipe: layer 4 drew random numbers from torch's global `cpu`
-    generator``), and the same masks as without the overlap, so the same parameters."""
+    generator``), and the same masks as without the overlap, so the same parameters; also under
+    schedule jitter (``seed``), which the run without overlap does not need."""
     kw = RNG_CASES[case]
+    use_jitter(monkeypatch, seed)
     got = _lora_fit(overlap=True, **kw)
+    monkeypatch.delenv("LIGHTNING_ROUNDPIPE_JITTER_SEED", raising=False)
     want = _lora_fit(overlap=False, **kw)
     assert max_diff(got, want) <= 1e-6
     assert max_diff(got, {n: p.detach() for n, p in _lora_module(0.0).named_parameters()}) > 1e-4  # it trained
@@ -140,3 +150,50 @@ def test_guard_does_not_blame_a_layer_for_another_threads_draw(seed):
     with pytest.raises(ValueError, match=r"layer 3 drew random numbers from torch's global `cpu` generator \(`aten\."):
         with rng_scope(seed, CPU, layer_index=3):
             torch.empty(4).exponential_(generator=torch.default_generator)
+
+
+# ---------------------------------------------------------------------- the jitter itself
+def test_jitter_is_off_unless_asked_for_and_refuses_a_bad_seed(monkeypatch):
+    monkeypatch.delenv(jitter.JITTER_ENV, raising=False)
+    assert jitter.active_jitter() is None
+    monkeypatch.setenv(jitter.JITTER_ENV, "3")
+    assert jitter.active_jitter().seed == 3
+    monkeypatch.setenv(jitter.JITTER_ENV, "three")
+    with pytest.raises(ValueError, match=r"LIGHTNING_ROUNDPIPE_JITTER_SEED=three.*HINT"):
+        jitter.active_jitter()
+    jitter.set_jitter(None)  # wins over the variable
+    try:
+        assert jitter.active_jitter() is None
+    finally:
+        jitter.reset_jitter()
+    with pytest.raises(ValueError, match="stall_probability.*HINT"):
+        jitter.Jitter(0, stall_probability=2)
+
+
+def test_jitter_delays_are_seeded_per_thread():
+    """Oracle: the documented generator (``random.Random`` seeded with the BLAKE2b digest of
+    ``"{seed}:{thread name}"``); the delays lie in their ranges; scales apply by thread name."""
+    import hashlib
+
+    def oracle(seed: int, name: str, count: int, max_delay_s: float, scale: float = 1.0) -> list[float]:
+        rng = random.Random(int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little"))
+        out = []
+        for _ in range(count):
+            longest = 0.05 if rng.random() < 0.5 else max_delay_s
+            out.append(rng.uniform(0.0, longest) * scale)
+        return out
+
+    made = jitter.Jitter(11, max_delay_s=0.002, stall_probability=0.5, stall_s=0.05, scales={"slow": 3})
+    got: dict[str, list[float]] = {}
+
+    def draw(name: str) -> None:
+        got[name] = [made.delay_s() for _ in range(50)]
+
+    for name in ("roundpipe-device0-compute-worker", "roundpipe-slow-thread"):
+        thread = threading.Thread(target=draw, args=(name,), name=name)
+        thread.start()
+        thread.join(30)
+    assert got["roundpipe-device0-compute-worker"] == oracle(11, "roundpipe-device0-compute-worker", 50, 0.002)
+    assert got["roundpipe-slow-thread"] == oracle(11, "roundpipe-slow-thread", 50, 0.002, scale=3)
+    assert all(0 <= d <= 0.05 for d in got["roundpipe-device0-compute-worker"])
+    assert got["roundpipe-device0-compute-worker"] != oracle(12, "roundpipe-device0-compute-worker", 50, 0.002)
