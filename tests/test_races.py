@@ -90,11 +90,21 @@ def _lora_module(lora_dropout: float = 0.1, draw_in_step: bool = False):
     return Module(model, lr=0.5)
 
 
-def _lora_fit(optimizer: str = "sync", overlap: bool = True, draw_in_step: bool = False, **trainer_kw):
+class _DrawingData(TokenData):
+    """A dataset that draws from the global generator in ``__getitem__`` (loaded in the main thread:
+    ``num_workers=0``), while the previous batch's run drains."""
+
+    def __getitem__(self, i: int) -> dict:
+        torch.rand(16)
+        return super().__getitem__(i)
+
+
+def _lora_fit(optimizer: str = "sync", overlap: bool = True, draw_in_step: bool = False, draw_in_data: bool = False,
+              **trainer_kw):
     torch.manual_seed(5)  # the global generator the engine's seeds derive from
     strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, optimizer=optimizer, overlap_batches=overlap)
-    return fit_params(lambda: _lora_module(draw_in_step=draw_in_step), TokenData(), strategy=strategy, devices=2,
-                      **trainer_kw)
+    return fit_params(lambda: _lora_module(draw_in_step=draw_in_step), _DrawingData() if draw_in_data else TokenData(),
+                      strategy=strategy, devices=2, **trainer_kw)
 
 
 RNG_CASES = {  # the issue's repro: LoRA dropout under overlapped accumulation and under async; user draws
@@ -102,6 +112,7 @@ RNG_CASES = {  # the issue's repro: LoRA dropout under overlapped accumulation a
     "async": dict(optimizer="async", max_steps=4),
     "accumulate, torch.rand in training_step": dict(optimizer="sync", draw_in_step=True, max_steps=3,
                                                     accumulate_grad_batches=2),
+    "async, torch.rand in the dataset": dict(optimizer="async", draw_in_data=True, max_steps=4),
 }
 
 
