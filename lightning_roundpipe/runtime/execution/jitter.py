@@ -23,10 +23,11 @@ Each thread draws its delays from its own ``random.Random`` seeded with (the see
 name), so a seed gives every thread the same sequence of delays in every run (the operating system's
 own scheduling still varies). A delay is uniform in ``[0, max_delay_s]`` (default 2 ms), or, with
 probability ``stall_probability`` (default 1 %), a stall uniform in ``[0, stall_s]`` (default 20 ms), as
-when the operating system deschedules a thread on a busy machine: a race that needs one thread to fall
-far behind (a worker that completes an event and only much later the marker after it) shows only with
-stalls, or with that thread's delays scaled up (``scales``: a GPU whose compute stream runs far
-behind; :func:`set_jitter`).
+when the operating system deschedules a thread on a busy machine. A race that needs one thread to fall
+far behind all the others (a worker that completes an event and only much later the marker after it,
+while the other threads' chains of work run on) rarely shows with delays every thread shares alike:
+scale that thread's delays up (``scales``, e.g. ``{"compute-worker": 50}``: a GPU whose compute stream
+runs far behind; :class:`Jitter`, :func:`set_jitter`).
 
 Turned on by ``LIGHTNING_ROUNDPIPE_JITTER_SEED=<int>`` (unset or empty: off; read at every pause, so a
 test can set it for one fit) or, for the whole process, by :func:`set_jitter` (which wins over the
