@@ -34,9 +34,10 @@ dropout modules, Hugging Face attention dropout, PEFT's ``lora_dropout``) runs e
   :mod:`~lightning_roundpipe.runtime.replay.rng_guard`) raises ``ValueError`` when the layer itself
   drew from the global generator of the device it runs on (an op not covered above, or randomness
   ``module_uses_rng`` did not detect) instead of silently training with masks its recomputation does
-  not replay: on CPU virtual devices, per thread, at the op (the main thread may draw from the same
-  process-wide generator meanwhile); on CUDA, by comparing the device's default generator before and
-  after, under the GPU's swap lock.
+  not replay: on CPU virtual devices, per thread, at the op, from the call after the one that saw the
+  global generator advance (the main thread may draw from the same process-wide generator meanwhile);
+  on CUDA, by comparing the device's default generator before and after, under the GPU's swap lock;
+  an explicit ``generator=torch.default_generator`` in a random layer raises at once.
 
 The engine's ``base_seed`` of each pipelined call that has random layers comes from the engine's own
 ``torch.Generator`` (``RoundPipeEngine.next_base_seed``), seeded once, at the first such call, with one
@@ -68,7 +69,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_roundpipe.adapters.base import LayerSequence, module_uses_rng
-from lightning_roundpipe.runtime.replay.rng_guard import CUDA_SWAP_LOCKS, cuda_swap_lock, global_draw_guard
+from lightning_roundpipe.runtime.replay.rng_guard import (CUDA_SWAP_LOCKS, cuda_swap_lock, global_draw_guard,
+                                                         global_draw_message)
 
 _local = threading.local()
 # the math kernel warns once that `dropout_mask` is meant for tests; here it is the point
@@ -117,7 +119,7 @@ def rng_scope(seed: int | None, device: torch.device, layer_index: int | None = 
         if seed is None:
             yield
         else:
-            with _PrivateRandomMode(seed):
+            with _PrivateRandomMode(seed, layer_index):
                 yield
 
 
@@ -142,9 +144,10 @@ class _PrivateRandomMode(TorchFunctionMode):
     """Gives random torch calls the scope's private generator (see the module docstring); every
     other call is made unchanged."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, layer_index: int | None = None) -> None:
         super().__init__()
         self.seed = seed
+        self.layer_index = layer_index
         self._seeded: dict[torch.device, torch.Generator] = {}
         self._in_body: set = set()
 
@@ -157,6 +160,14 @@ class _PrivateRandomMode(TorchFunctionMode):
             gen.manual_seed(self.seed)
             self._seeded[device] = gen
         return gen
+
+    def refuse_default(self, generator: torch.Generator, func) -> None:
+        """Raise ``ValueError`` when a random call was handed a global default generator explicitly
+        (its recomputation would draw other numbers)."""
+        if generator is torch.default_generator or (
+                generator.device.type == "cuda" and any(generator is g for g in torch.cuda.default_generators)):
+            name = getattr(func, "__name__", str(func))
+            raise ValueError(global_draw_message(str(generator.device), name, True, self.layer_index))
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -195,7 +206,9 @@ def _bind(names: tuple, defaults: dict, args: tuple, kwargs: dict) -> dict:
 
 def _with_generator(mode: _PrivateRandomMode, func, args: tuple, kwargs: dict):
     """Functions with a ``generator=`` argument: the private one unless the caller gave one."""
-    if kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args):
+    given = kwargs.get("generator") or next((a for a in args if isinstance(a, torch.Generator)), None)
+    if given is not None:
+        mode.refuse_default(given, func)
         return func(*args, **kwargs)
     device = _op_device(args, kwargs)
     if device.type == "meta":
@@ -472,7 +485,9 @@ def _aten_rule(func) -> Callable | None:
 
 def _aten_with_generator(mode: _PrivateRandomMode, func, args: tuple, kwargs: dict):
     name = next(a.name for a in func._schema.arguments if _is_generator(a))
-    if _schema_arg(func, args, kwargs, name) is not None:
+    given = _schema_arg(func, args, kwargs, name)
+    if given is not None:
+        mode.refuse_default(given, func)
         return func(*args, **kwargs)
     device = _op_device(args, kwargs)
     if device.type == "meta":

@@ -9,13 +9,19 @@ an overlapped run's layers run, and must not be blamed on them):
 
 - **CPU virtual devices**: the device's generator *is* the process-wide CPU generator, from which
   the main thread (user code, data loading) and other devices' threads may draw at any time, so a
-  before/after comparison cannot tell whose draw it saw. :class:`_GlobalDrawGuard`, a
-  ``TorchDispatchMode`` pushed in the calling thread for the layer call (dispatch modes are
-  thread-local: no other thread sees it), raises at the first ATen op tagged
-  ``torch.Tag.nondeterministic_seeded`` that the layer's thread calls without a generator (or with
-  ``torch.default_generator``), naming it; ops that draw nothing in that call (``train=False``,
-  ``dropout_p=0``, the backward kernels replaying saved seeds) pass. Cost: every ATen op of a layer
-  call on a CPU virtual device passes through a Python handler (a few microseconds each);
+  before/after comparison cannot tell whose draw it saw. It only makes the layer *suspect*: from its
+  next call on (the next microbatch, or its own recomputation, which comes after the forward it
+  would not replay), the layer runs under :class:`_GlobalDrawGuard`, a ``TorchDispatchMode`` pushed
+  in the calling thread (dispatch modes are thread-local: no other thread sees it), which raises at
+  the first ATen op tagged ``torch.Tag.nondeterministic_seeded`` that the layer's thread calls
+  without a generator (or with the global one), naming it; ops that draw nothing in that call
+  (``train=False``, ``dropout_p=0``, the backward kernels replaying saved seeds) pass. So a layer
+  that draws from the global generator fails the step, at the latest in its recomputation, before
+  a backward with the wrong masks completes, and another thread's draw only costs the guard for
+  that layer (every ATen op of its calls through a Python handler, a few microseconds each; 1.5-1.7x
+  the step of the tests' tiny Llama, ``benchmarks/rng_guard.py``); layers never suspected pay two
+  reads of the generator's state per call. A random layer handed the global generator explicitly
+  (``generator=torch.default_generator``) raises at once (:mod:`.rng`);
 - **CUDA**: the device's default generator (``torch.cuda.default_generators[i]``) is compared before
   and after the call, each read under the GPU's swap lock (:data:`CUDA_SWAP_LOCKS`), so a logical
   device on the same GPU that is loading a private state into it for a fused kernel (:mod:`.rng`) is
@@ -73,8 +79,19 @@ def global_draw_guard(device: torch.device, seeded: bool, layer_index: int | Non
     if device.type != "cpu":
         yield
         return
-    with _GlobalDrawGuard(seeded, layer_index):
-        yield
+    if layer_index in _SUSPECT:
+        with _GlobalDrawGuard(seeded, layer_index):
+            yield
+        return
+    before = torch.default_generator.get_state()
+    yield
+    if not torch.equal(before, torch.default_generator.get_state()):  # this layer, or another thread
+        _SUSPECT.add(layer_index)
+
+
+#: Layer indices whose call saw torch's global CPU generator advance: they run under the
+#: per-thread guard from then on (see the module docstring).
+_SUSPECT: set = set()
 
 
 def global_draw_message(generator: str, op: str | None, seeded: bool, layer_index: int | None) -> str:
