@@ -17,6 +17,28 @@ from torch.utils.data import DataLoader, Dataset
 VOCAB = 512
 SEQ = 8
 
+#: Schedule jitter (DESIGN.md section 4 (d), ``runtime/execution/jitter.py``): the seeds the overlap,
+#: async, accumulation and dropout tests run under in the default run, and the further seeds of the
+#: slow run (``pytest -m slow``).
+JITTER_ENV = "LIGHTNING_ROUNDPIPE_JITTER_SEED"
+JITTER_SEEDS = (0, 1)
+SLOW_JITTER_SEEDS = (2, 3, 4, 5)
+
+
+def jitter_seeds(default: int = len(JITTER_SEEDS)) -> list:
+    """``pytest.mark.parametrize`` values: the first ``default`` of :data:`JITTER_SEEDS` in the default
+    run, the rest of them and :data:`SLOW_JITTER_SEEDS` marked ``slow``."""
+    import pytest
+
+    rest = JITTER_SEEDS[default:] + SLOW_JITTER_SEEDS
+    return [*JITTER_SEEDS[:default], *(pytest.param(seed, marks=pytest.mark.slow) for seed in rest)]
+
+
+def use_jitter(monkeypatch: Any, seed: int | None) -> None:
+    """Turn schedule jitter on with ``seed`` for the rest of the test (``None``: leave it off)."""
+    if seed is not None:
+        monkeypatch.setenv(JITTER_ENV, str(seed))
+
 
 def tiny_hf(kind: str = "llama", dropout: float = 0.0, layers: int = 5, seed: int = 0) -> nn.Module:
     """A tiny random Llama or Qwen3 causal LM (fp32, tied embeddings, eager attention)."""

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 import lightning_roundpipe
-from _helpers import loader, max_diff, params, trainer
+from _helpers import jitter_seeds, loader, max_diff, params, trainer, use_jitter
 from test_async_optimizer import STEPS, TOL, Module, _case, reference
 from test_steady_state_runtime import _FinishSpy
 
@@ -33,11 +33,15 @@ def _in_flight(spy: _FinishSpy) -> list[int]:
     return [n for _, n in spy.started]
 
 
-@pytest.mark.parametrize("kind,optimizer,lr,devices", [
-    ("llama", "sgd", 0.05, 2), ("llama", "adam", 1e-3, 3), ("lora", "adam", 1e-3, 2)])
-def test_steady_state_equals_one_step_stale_reference(kind, optimizer, lr, devices, monkeypatch):
+@pytest.mark.parametrize("kind,optimizer,lr,devices,jitter_seed", [
+    ("llama", "sgd", 0.05, 2, None), ("llama", "adam", 1e-3, 3, None), ("lora", "adam", 1e-3, 2, None),
+    *(pytest.param("llama", "sgd", 0.05, 2, *seed.values, marks=seed.marks) if hasattr(seed, "values")
+      else ("llama", "sgd", 0.05, 2, seed) for seed in jitter_seeds(1))])
+def test_steady_state_equals_one_step_stale_reference(kind, optimizer, lr, devices, jitter_seed, monkeypatch):
     """Clipping by norm and a per-step LR scheduler included; every program after the first is
-    issued while the previous one is in flight."""
+    issued while the previous one is in flight; also under schedule jitter (``jitter_seed``: the
+    optimizer thread, the shadow refresh and the main thread interleave otherwise)."""
+    use_jitter(monkeypatch, jitter_seed)
     spy = _FinishSpy(monkeypatch)
     model, data = _case(kind)
     batches = list(loader(data))

@@ -34,8 +34,11 @@ def oracle_seed(base_seed: int, layer_index: int, microbatch_index: int) -> int:
 
 
 def base_seed_after(seed: int) -> int:
-    """The engine's base seed when the global generator was seeded with ``seed`` before the call."""
-    return int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(seed)).item())
+    """The engine's base seed of its first random call when the global generator was seeded with
+    ``seed`` before it: the first draw of the engine's own generator, seeded with one draw of the
+    global one (documented in `runtime/replay/rng.py`)."""
+    engine_seed = int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(seed)).item())
+    return int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(engine_seed)).item())
 
 
 def on_global_generator(fn, seed: int):
@@ -329,13 +332,16 @@ def test_gradient_equals_plain_torch_with_the_documented_masks(devices):
 
 
 def test_global_generator_advances_by_one_base_seed_draw_only():
+    """One draw from the global generator in a whole run with random layers (the engine's generator's
+    seed, at its first call), none without: later calls draw from the engine's own generator."""
     x = torch.randn(7, 8)
     for model, draws in ((_dropout_mlp(), 1), (nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)), 0)):
         engine = _engine(make_layer_sequence(model), 2, 3)
         try:
             torch.manual_seed(5)
             before = torch.random.get_rng_state()
-            model(x).sum().backward()
+            for _ in range(3):
+                model(x).sum().backward()
             after = torch.random.get_rng_state()
         finally:
             engine.close()

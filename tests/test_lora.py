@@ -5,7 +5,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import lightning_roundpipe
-from _helpers import CausalLMModule, TokenData, fit_params, loader, max_diff, params, tiny_hf, trainer
+from _helpers import (CausalLMModule, TokenData, fit_params, jitter_seeds, loader, max_diff, params, tiny_hf, trainer,
+                      use_jitter)
 
 
 def _lora_module():
@@ -14,10 +15,15 @@ def _lora_module():
     return CausalLMModule(model, lr=0.5)
 
 
-@pytest.mark.parametrize("devices,num_microbatches", [(1, 2), (2, 5), (3, 3)])
-def test_lora_parity_and_frozen_base(devices, num_microbatches):
+@pytest.mark.parametrize("devices,num_microbatches,jitter_seed", [
+    (1, 2, None), (2, 5, None), (3, 3, None),
+    *(pytest.param(2, 3, *seed.values, marks=seed.marks) if hasattr(seed, "values") else (2, 3, seed)
+      for seed in jitter_seeds(1))])
+def test_lora_parity_and_frozen_base(devices, num_microbatches, jitter_seed, monkeypatch):
+    """Accumulation overlaps the batches of a step; also under schedule jitter (``jitter_seed``)."""
     before = params(_lora_module())
     ref = fit_params(_lora_module, TokenData(), max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.5)
+    use_jitter(monkeypatch, jitter_seed)
     got = fit_params(_lora_module, TokenData(), strategy=lightning_roundpipe.RoundPipeStrategy(num_microbatches=num_microbatches),
                      devices=devices, max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.5)
     assert max_diff(ref, got) <= 1e-5

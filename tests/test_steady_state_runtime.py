@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import lightning_roundpipe
-from _helpers import CausalLMModule, TokenData, fit_params, loader, max_diff, params, tiny_hf, trainer
+from _helpers import (CausalLMModule, TokenData, fit_params, jitter_seeds, loader, max_diff, params, tiny_hf, trainer,
+                      use_jitter)
 from lightning_roundpipe.runtime.execution.executor import Executor
 
 TOL = 1e-5
@@ -44,9 +45,13 @@ class _FinishSpy:
         monkeypatch.setattr(Executor, "finish", finish)
 
 
-def test_accumulation_overlap_matches_default_strategy_with_clip_by_norm(monkeypatch):
+@pytest.mark.parametrize("jitter_seed", [None, *jitter_seeds(0)])
+def test_accumulation_overlap_matches_default_strategy_with_clip_by_norm(jitter_seed, monkeypatch):
+    """Also under schedule jitter (``jitter_seed``: the main thread and the overlapped runs interleave
+    otherwise; the result may not change)."""
     spy = _FinishSpy(monkeypatch)
     ref = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), **ACCUMULATE)
+    use_jitter(monkeypatch, jitter_seed)
     got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), devices=2, strategy=_strategy(),
                      **ACCUMULATE)
     assert max_diff(ref, got) <= TOL

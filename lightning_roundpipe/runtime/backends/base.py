@@ -184,8 +184,9 @@ class Backend(abc.ABC):
         raise NotImplementedError
 
     def timer_span(self, stream: str, start: Any) -> Callable[[], tuple[float, float]]:
-        """After issuing the op: a function giving its ``(start_s, end_s)`` once the device is
-        synchronised, seconds on the host's ``perf_counter`` clock."""
+        """After issuing the op: a function giving its ``(start_s, end_s)``, seconds on the host's
+        ``perf_counter`` clock; it waits for the op's end marker first (a host that waited only for
+        the op's event, with a newer run in flight, may call it before the marker completed)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ data

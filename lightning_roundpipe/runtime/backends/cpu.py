@@ -56,6 +56,7 @@ import torch
 from lightning_roundpipe.runtime.backends.base import Backend
 from lightning_roundpipe.runtime.backends.budget import DeviceMemoryLedger, measuring_default
 from lightning_roundpipe.runtime.backends.checker import Access, StreamChecker
+from lightning_roundpipe.runtime.execution.jitter import pause as jitter_pause
 from lightning_roundpipe.runtime.backends.threads import limit_this_thread
 from lightning_roundpipe.schedule.program import STREAMS
 
@@ -121,6 +122,7 @@ class CpuStream:
             while not self._gate.wait(_POLL_S):
                 pass
             try:
+                jitter_pause()  # schedule jitter (checking mode, `execution/jitter.py`): off unless asked for
                 item()
             except BaseException as error:  # noqa: BLE001 - kept for the executor; the stream goes on
                 self.error = error
@@ -326,7 +328,12 @@ class CpuBackend(Backend):
     def timer_span(self, stream: str, start: CpuEvent) -> Callable[[], tuple[float, float]]:
         end = CpuEvent()
         self.streams[stream].put(end.complete)
-        return lambda: (start.time_s, end.time_s)
+
+        def span() -> tuple[float, float]:
+            end.synchronize(lambda: self.alive)  # after the op's event, not covered by a wait on it (issue 30)
+            return start.time_s, end.time_s
+
+        return span
 
     # ------------------------------------------------------------------ data
     def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], nbytes: int, link: Link, priority: int) -> None:

@@ -139,6 +139,11 @@ class CudaBackend(Backend):
         reference, host = self._reference
 
         def span() -> tuple[float, float]:
+            # the end marker follows the op's event on its stream: a host that waited for that event
+            # (a newer run in flight) may get here first, and `elapsed_time` of an incomplete event
+            # raises "device not ready"
+            for event in (reference, start, end):
+                event.synchronize()
             return host + reference.elapsed_time(start) / 1e3, host + reference.elapsed_time(end) / 1e3
 
         return span

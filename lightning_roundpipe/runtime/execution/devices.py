@@ -13,6 +13,8 @@ import queue
 import threading
 from typing import Callable
 
+from lightning_roundpipe.runtime.execution.jitter import pause as jitter_pause
+
 
 class StreamThread:
     """A daemon thread that runs ``fn()`` jobs in submission order.
@@ -50,6 +52,7 @@ class StreamThread:
             fn, done = job
             job = None
             try:
+                jitter_pause()  # schedule jitter (`runtime/execution/jitter.py`): off unless asked for
                 fn()
             finally:
                 fn = None  # the job's closure (a program run, a failed run's traceback) must not outlive it

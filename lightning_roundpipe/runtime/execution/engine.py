@@ -25,6 +25,7 @@ from lightning_roundpipe.runtime.execution.autograd import attach
 from lightning_roundpipe.runtime.tuning.autopartition import (choose_partition, describe_choice, fused_stages, hardware_model,
                                                       microbatch_weights, predict_step_s)
 from lightning_roundpipe.runtime.backends import make_backends, smallest_stage_budget, step_memory_peaks
+from lightning_roundpipe.runtime.execution.jitter import pause as jitter_pause
 from lightning_roundpipe.runtime.execution.executor import Executor, PipelineState, rng_layers
 from lightning_roundpipe.runtime.host.memory import HostMemory, host_memory
 from lightning_roundpipe.runtime.execution.overlap import StepOverlap
@@ -187,6 +188,17 @@ class RoundPipeEngine:
         steady state then runs that step's clipping and hands its update to the optimizer thread).
         Overlapped calls with a :attr:`grad_barrier` are allowed only when this is set."""
         self._original_generate = None
+        self._seed_generator: torch.Generator | None = None
+
+    def next_base_seed(self) -> int:
+        """The ``base_seed`` of the next pipelined call with random layers (main thread), an int in
+        ``[0, 2**62)``: drawn from the engine's own CPU ``torch.Generator``, which is seeded, at the
+        first call, with one ``torch.randint(0, 2**62, (1,))`` from torch's global CPU generator. So
+        ``seed_everything`` reproduces a run, and the main thread does not draw from the global
+        generator while an overlapped run's random layers run (:mod:`~lightning_roundpipe.runtime.replay.rng`)."""
+        if self._seed_generator is None:
+            self._seed_generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+        return int(torch.randint(0, 2**62, (1,), generator=self._seed_generator).item())
 
     @classmethod
     def from_config(cls, seq: LayerSequence, devices: Sequence[torch.device], config: RoundPipeConfig, *,
@@ -421,7 +433,7 @@ class RoundPipeEngine:
         state.rng_layers = rng_layers(seq)
         state.input_grad_positions = grad_pos
         if state.rng_layers:
-            state.base_seed = int(torch.randint(0, 2**62, (1,)).item())
+            state.base_seed = self.next_base_seed()
         if seq.routing is not None:
             state.routing = RoutingStore(seq.routing.layers, m)
         if training:
@@ -465,11 +477,13 @@ class RoundPipeEngine:
                     barrier()
                     WeightStore.add_grads(list(state.grad_sink.values()), None, staged=False)
                     state.grad_sink = None
+                jitter_pause()  # the main thread's return (schedule jitter, `execution/jitter.py`)
                 return self._input_grads(state, flat, sizes)
 
             attached = attach([merged[i] for i in idx], run_backward, grad_inputs)
             for i, t in zip(idx, attached):
                 merged[i] = t
+        jitter_pause()
         return seq.finalize(pytree.tree_unflatten(merged, spec))
 
     def _input_grads(self, state: PipelineState, batch_leaves: list, sizes: list[int]) -> list:

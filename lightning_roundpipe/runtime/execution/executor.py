@@ -43,6 +43,7 @@ from lightning_roundpipe.adapters.chunked_loss import loss_only
 from lightning_roundpipe.metrics.timeline import Interval, Timeline
 from lightning_roundpipe.runtime.execution.access import in_bank, op_access, round_of
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
+from lightning_roundpipe.runtime.execution.jitter import pause as jitter_pause
 from lightning_roundpipe.runtime.backends.pool import HostStagingPool, pool_slots
 from lightning_roundpipe.runtime.backends.threads import limit_this_thread
 from lightning_roundpipe.runtime.execution.carry import diff_leaves, grad_leaves, grad_positions, snapshot
@@ -337,6 +338,7 @@ class Executor(TransferOps):
                                 run.wait(run.refreshed[key])
                     access = in_bank(op_access(run.program, op, backend.device_index, num_layers, keep), run.bank) \
                         if backend.checker is not None else None
+                    jitter_pause()
                     start = backend.timer_start(stream)
                     backend.launch(stream, lambda op=op: self._execute(backend, stream, op, run), access,
                                    str(op), op)
@@ -395,6 +397,7 @@ class Executor(TransferOps):
                 event = run.events.get(op)
                 if event is not None:
                     self.backends[dispatch.device_index].host_wait(event)
+                jitter_pause()
                 pairs = run.host_grads.pop((dispatch.stage_index, dispatch.round_index), [])
                 retained = self.store.add_grads(pairs, run.state.grad_sink)
                 run.add_grad_buffer_bytes(retained - sum(g.numel() * g.element_size() for _, g in pairs),

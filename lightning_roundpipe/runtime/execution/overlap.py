@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_roundpipe.runtime.execution.jitter import pause as jitter_pause
 from lightning_roundpipe.runtime.execution.autograd import attach
 from lightning_roundpipe.runtime.execution.microbatch import merge_leaves
 from lightning_roundpipe.runtime.execution.run_state import PipelineState, ProgramRun
@@ -272,6 +273,7 @@ class StepOverlap:
                 pending.grad = g
                 if pending.finished and not pending.added:
                     self._add(pending)
+                jitter_pause()  # the main thread's return (schedule jitter, `execution/jitter.py`)
                 return []
             if engine.grad_barrier is not None:
                 engine.grad_barrier()
@@ -284,9 +286,11 @@ class StepOverlap:
                 else:
                     master.grad.add_(contrib)
             sink.clear()
+            jitter_pause()
             return [None if x is None else _scaled(x, g, seed) for x in input_grads]
 
         (loss,) = attach([loss], run_backward, grad_inputs)
+        jitter_pause()
         return engine.seq.finalize({**extra, key: loss})
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_roundpipe.runtime.backends.base import Backend
+from lightning_roundpipe.runtime.execution.jitter import pause as jitter_pause
 from lightning_roundpipe.runtime.backends.pool import HostStagingPool, pack, packed_nbytes, pool_slots
 from lightning_roundpipe.schedule.buffers import device_slots, host_slots, slot_sizes
 from lightning_roundpipe.runtime.execution.run_state import ProgramRun
@@ -274,6 +275,7 @@ class TransferOps:
                 for key in order:
                     if run.abort.is_set():
                         return
+                    jitter_pause()
                     self.store.refresh_entry(key)
                     events[key].set()
             except BaseException as error:

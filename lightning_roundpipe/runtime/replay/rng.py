@@ -30,14 +30,21 @@ dropout modules, Hugging Face attention dropout, PEFT's ``lora_dropout``) runs e
   after, under a lock per GPU (logical devices sharing one GPU swap one at a time). Stacked RNNs with ``dropout > 0`` in training (``nn.LSTM``...: the
   kernel draws the dropout inside) and random ATen ops called directly (``torch.ops.aten...``) without
   a generator argument and not covered so raise ``ValueError``;
-- a guard around every layer call (also of layers outside :func:`rng_layers`) compares torch's
-  global generators (the CPU one, and the device's on CUDA) before and after: a layer that drew from
-  them (an op not covered above, or randomness ``module_uses_rng`` did not detect) raises
-  ``ValueError`` instead of silently training with masks its recomputation does not replay.
+- a guard around every layer call (also of layers outside :func:`rng_layers`;
+  :mod:`~lightning_roundpipe.runtime.replay.rng_guard`) raises ``ValueError`` when the layer itself
+  drew from the global generator of the device it runs on (an op not covered above, or randomness
+  ``module_uses_rng`` did not detect) instead of silently training with masks its recomputation does
+  not replay: on CPU virtual devices, per thread, at the op, from the call after the one that saw the
+  global generator advance (the main thread may draw from the same process-wide generator meanwhile);
+  on CUDA, by comparing the device's default generator before and after, under the GPU's swap lock;
+  an explicit ``generator=torch.default_generator`` in a random layer raises at once.
 
-The engine draws ``base_seed`` from the global CPU generator, one ``torch.randint(0, 2**62, (1,))``
-per pipelined call that has random layers (so ``seed_everything`` makes runs reproducible); nothing
-else of a step touches the global generators. The default strategy instead advances the global
+The engine's ``base_seed`` of each pipelined call that has random layers comes from the engine's own
+``torch.Generator`` (``RoundPipeEngine.next_base_seed``), seeded once, at the first such call, with one
+``torch.randint(0, 2**62, (1,))`` drawn from the global CPU generator in the main thread: so
+``seed_everything`` still makes runs reproducible, and the main thread draws from the global
+generator only once, not while an overlapped run's layers run (issue 30). Nothing else of a step
+touches the global generators. The default strategy instead advances the global
 generator by every mask it draws (an amount that depends on the mask sizes), so after a step the
 global stream differs between the two, which matters only to code that draws from it later (a
 shuffling sampler's next epoch); the masks themselves differ too (other generators). A random op
@@ -62,6 +69,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_roundpipe.adapters.base import LayerSequence, module_uses_rng
+from lightning_roundpipe.runtime.replay.rng_guard import (CUDA_SWAP_LOCKS, cuda_swap_lock, global_draw_guard,
+                                                         global_draw_message)
 
 _local = threading.local()
 # the math kernel warns once that `dropout_mask` is meant for tests; here it is the point
@@ -102,43 +111,16 @@ def rng_scope(seed: int | None, device: torch.device, layer_index: int | None = 
 
     Raises:
         ValueError: a random ATen op that cannot be given a private generator (named in the
-            message), or the layer drew from torch's global generators (checked after the call).
+            message), or the layer drew from the global generator of ``device``
+            (:func:`~lightning_roundpipe.runtime.replay.rng_guard.global_draw_guard`).
     """
     device = torch.device(device)
-    before = _global_states(device)
-    if seed is None:
-        yield
-    else:
-        with _PrivateRandomMode(seed):
+    with global_draw_guard(device, seed is not None, layer_index):
+        if seed is None:
             yield
-    changed = [name for name, state in _global_states(device).items() if not torch.equal(state, before[name])]
-    if changed:
-        raise ValueError(_global_draw_message(changed, seed is not None, layer_index))
-
-
-def _global_states(device: torch.device) -> dict[str, torch.Tensor]:
-    states = {"cpu": torch.default_generator.get_state()}
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        states[f"cuda:{index}"] = torch.cuda.default_generators[index].get_state()
-    return states
-
-
-def _global_draw_message(changed: list[str], seeded: bool, layer_index: int | None) -> str:
-    layer = "a layer" if layer_index is None else f"layer {layer_index}"
-    generators = " and ".join(f"`{name}`" for name in changed)
-    if seeded:
-        why = (" through an op that RoundPipe does not give the layer's private generator to, so its recomputation"
-               " would draw other numbers.")
-        hint = (" HINT: draw them with ops that take `generator=` (`torch.bernoulli`, `Tensor.uniform_`, `torch.rand`,"
-                " `F.dropout`...).")
-    else:
-        why = (", but RoundPipe did not detect it as random (`module_uses_rng`), so it ran without a private"
-               " generator and its recomputation would draw other numbers.")
-        hint = (" HINT: set `roundpipe_uses_rng = True` on the module that draws them (or use `nn.Dropout` modules,"
-                " which draw nothing in eval mode).")
-    return (f"RoundPipe: {layer} drew random numbers from torch's global {generators} generator{why} On CPU virtual"
-            f" devices the op may also be in a layer running at the same time on another device.{hint}")
+        else:
+            with _PrivateRandomMode(seed, layer_index):
+                yield
 
 
 def _thread_generator(device: torch.device) -> torch.Generator:
@@ -162,9 +144,10 @@ class _PrivateRandomMode(TorchFunctionMode):
     """Gives random torch calls the scope's private generator (see the module docstring); every
     other call is made unchanged."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, layer_index: int | None = None) -> None:
         super().__init__()
         self.seed = seed
+        self.layer_index = layer_index
         self._seeded: dict[torch.device, torch.Generator] = {}
         self._in_body: set = set()
 
@@ -177,6 +160,14 @@ class _PrivateRandomMode(TorchFunctionMode):
             gen.manual_seed(self.seed)
             self._seeded[device] = gen
         return gen
+
+    def refuse_default(self, generator: torch.Generator, func) -> None:
+        """Raise ``ValueError`` when a random call was handed a global default generator explicitly
+        (its recomputation would draw other numbers)."""
+        if generator is torch.default_generator or (
+                generator.device.type == "cuda" and any(generator is g for g in torch.cuda.default_generators)):
+            name = getattr(func, "__name__", str(func))
+            raise ValueError(global_draw_message(str(generator.device), name, True, self.layer_index))
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -215,7 +206,9 @@ def _bind(names: tuple, defaults: dict, args: tuple, kwargs: dict) -> dict:
 
 def _with_generator(mode: _PrivateRandomMode, func, args: tuple, kwargs: dict):
     """Functions with a ``generator=`` argument: the private one unless the caller gave one."""
-    if kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args):
+    given = kwargs.get("generator") or next((a for a in args if isinstance(a, torch.Generator)), None)
+    if given is not None:
+        mode.refuse_default(given, func)
         return func(*args, **kwargs)
     device = _op_device(args, kwargs)
     if device.type == "meta":
@@ -310,7 +303,7 @@ def _on_default_cuda_generator(mode: _PrivateRandomMode, device: torch.device, f
     private = mode.generator(device)
     index = private.device.index
     default = torch.cuda.default_generators[index]
-    with _CUDA_SWAP_LOCKS.setdefault(index, threading.Lock()):  # several workers may share one GPU
+    with cuda_swap_lock(index):  # several workers may share one GPU
         saved = default.get_state()
         default.set_state(private.get_state())
         try:
@@ -321,7 +314,7 @@ def _on_default_cuda_generator(mode: _PrivateRandomMode, device: torch.device, f
 
 
 #: One lock per GPU around the default-generator swap (logical devices on one GPU share its generator).
-_CUDA_SWAP_LOCKS: dict[int, threading.Lock] = {}
+_CUDA_SWAP_LOCKS = CUDA_SWAP_LOCKS
 
 
 def _fractional_max_pool(dims: int) -> Callable:
@@ -492,7 +485,9 @@ def _aten_rule(func) -> Callable | None:
 
 def _aten_with_generator(mode: _PrivateRandomMode, func, args: tuple, kwargs: dict):
     name = next(a.name for a in func._schema.arguments if _is_generator(a))
-    if _schema_arg(func, args, kwargs, name) is not None:
+    given = _schema_arg(func, args, kwargs, name)
+    if given is not None:
+        mode.refuse_default(given, func)
         return func(*args, **kwargs)
     device = _op_device(args, kwargs)
     if device.type == "meta":
