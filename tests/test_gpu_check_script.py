@@ -291,9 +291,6 @@ def test_mode_steps_on_cpu_virtual_devices(tmp_path):
     assert fp8["compute_dtype"]["logged_frozen_matmul_host_bytes_per_param"] >= 2  # bf16 or fp32 frozen weights
 
 
-@pytest.mark.xfail(raises=ValueError, strict=False,
-                   reason="issue 30 item 1: RoundPipe's RNG guard sees the main thread's draws during overlapped"
-                          " runs (fixed on the RNG branch of issue 30; drop this mark once it has landed)")
 def test_dropout_accumulation_step_on_cpu_virtual_devices(tmp_path):
     """dropout_accum: LoRA dropout 0.1 under overlapped accumulation matches the same run without overlap."""
     gpu_check = _gpu_check()
