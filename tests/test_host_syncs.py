@@ -202,6 +202,8 @@ class _Block(nn.Module):
             y = y * self.scale.to(y.device)  # an upload inside the op: fine on a GPU
         elif self.mode == "host_scalar":
             y = y * torch.tensor(0.5) + self.uploaded  # CPU 0-dim tensors are allowed, as on CUDA
+        elif self.mode == "host_value":
+            y = y * torch.tensor([0.5, 2.0]).sum().item()  # a host tensor's value: no device sync
         return y
 
 
@@ -243,6 +245,6 @@ def test_placement_check_raises_for_a_plain_host_attribute():
     assert "`F(stage 0, mb 0)`" in message and "aten.mul.Tensor" in message, message
 
 
-@pytest.mark.parametrize("mode", ["moved_attribute", "host_scalar"])
+@pytest.mark.parametrize("mode", ["moved_attribute", "host_scalar", "host_value"])
 def test_placement_check_allows_what_a_gpu_allows(mode):
     _run_sequential(mode)

@@ -50,7 +50,6 @@ from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _LOCAL = threading.local()
@@ -61,6 +60,7 @@ _COUNTERS: list["SyncCounter"] = []
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _SKIP_DIRS = (_TORCH_DIR, os.path.dirname(contextlib.__file__) + os.sep + "contextlib", os.path.abspath(__file__))
 _DATA_DEPENDENT = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+_DYNAMIC: dict[Any, bool] = {}  # ATen op -> tagged with a data-dependent output
 _SCALAR_METHODS = {torch.Tensor.item: "`.item()`", torch.Tensor.tolist: "`.tolist()`",
                    torch.Tensor.__bool__: "`bool()` (an `if` or `and`/`or` on a tensor)",
                    torch.Tensor.__int__: "`int()`", torch.Tensor.__float__: "`float()`",
@@ -228,8 +228,8 @@ def op_scope(driver: Any, stream: str, label: str, checking: bool):
 def _scope(op: _Op):
     previous = _current()
     _LOCAL.op = op
-    try:
-        with _FunctionChecks(), _DispatchChecks():
+    try:  # copy streams only register what their ops make (a buffer's own copy): no function mode there
+        with (_FunctionChecks() if op.compute else contextlib.nullcontext()), _DispatchChecks():
             yield
     finally:
         _LOCAL.op = previous
@@ -375,7 +375,11 @@ class _FunctionChecks(TorchFunctionMode):
                     out = out.clone()
             track(out, op.token, op.device_index)
             return out
-        if func in _FACTORIES and kwargs.get("device") is None:
+        if func in _FACTORIES:
+            if kwargs.get("device") is not None:  # made on the device (`torch.tensor(data, device=...)`)
+                out = func(*args, **kwargs)
+                _track_outputs(out, op)
+                return out
             op.host_factory += 1
             try:
                 return func(*args, **kwargs)
@@ -391,6 +395,26 @@ def _moves(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args[1:])
 
 
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an ATen op's arguments (directly or in a list: ``cat``, ``index``)."""
+    out = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
+
+
+def _track_outputs(out: Any, op: _Op) -> None:
+    if isinstance(out, torch.Tensor):
+        track(out, op.token, op.device_index)
+    elif isinstance(out, (list, tuple)):
+        for tensor in out:
+            if isinstance(tensor, torch.Tensor):
+                track(tensor, op.token, op.device_index)
+
+
 class _DispatchChecks(TorchDispatchMode):
     """ATen-level checks: ``_local_scalar_dense`` and data-dependent shapes on device tensors,
     the placement of every tensor an op reads, and the registration of what ops make."""
@@ -403,34 +427,32 @@ class _DispatchChecks(TorchDispatchMode):
         if op.quiet:  # not checked (a conversion judged above, our own copy); made on the device all the same
             out = func(*args, **kwargs)
             if func is not torch.ops.aten.copy_.default:
-                for tensor in pytree.tree_leaves(out):
-                    if isinstance(tensor, torch.Tensor):
-                        track(tensor, op.token, op.device_index)
+                _track_outputs(out, op)
             return out
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = _tensors(args, kwargs)
         copy = func is torch.ops.aten.copy_.default
-        device = host = False  # reads a tensor of this device / a host tensor of dimension >= 1
+        device = False  # reads a tensor of this device
+        host = None  # a host tensor of dimension >= 1 it reads
         for tensor in inputs:
             where = owner(tensor)
             if where is None:
-                host = host or tensor.dim() > 0
+                if host is None and tensor.dim() > 0 and tensor.numel() > 0:
+                    host = tensor
                 continue
             device = True
             if where[0] != op.token and op.compute and op.checking and not copy and not op.upload:
                 _placement(op, func, tensor, where)
         if op.compute and device:
             self._syncs(op, func, args, kwargs)
-        if op.compute and op.checking and device and host and not copy and not op.upload:
-            _placement(op, func, next(t for t in inputs if owner(t) is None and t.dim() > 0), None)
+        if op.compute and op.checking and device and host is not None and not copy and not op.upload:
+            _placement(op, func, host, None)
         out = func(*args, **kwargs)
         if copy:
             return out  # the destination keeps its place (an upload into a pool, a download to the host)
         # outputs are the device's when the op read device tensors, or is a factory (not one called without
         # `device=`), or moves to the device; an op on host tensors only is a host op, as on a GPU
         if op.upload or (not op.host_factory and (device or not inputs or kwargs.get("device") is not None)):
-            for tensor in pytree.tree_leaves(out):
-                if isinstance(tensor, torch.Tensor):
-                    track(tensor, op.token, op.device_index)
+            _track_outputs(out, op)
         return out
 
     @staticmethod
@@ -441,7 +463,10 @@ class _DispatchChecks(TorchDispatchMode):
         if func is torch.ops.aten.copy_.default and args and owner(args[0]) is None and args[0].dim() > 0:
             _sync(op, "a device-to-host copy into host memory")
             return
-        if not any(tag in func.tags for tag in _DATA_DEPENDENT):
+        dynamic = _DYNAMIC.get(func)
+        if dynamic is None:
+            dynamic = _DYNAMIC[func] = any(tag in func.tags for tag in _DATA_DEPENDENT)
+        if not dynamic:
             return
         name = func.overloadpacket.__name__
         if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
