@@ -197,6 +197,13 @@ def _current() -> _Op | None:
     return getattr(_LOCAL, "op", None)
 
 
+def unchecked():
+    """Context manager: run a block of a device op without the host-sync and placement checks
+    (test instrumentation, debugging; what the block makes is still the device's), as setting
+    ``torch.cuda.set_sync_debug_mode("default")`` around it would on CUDA. Outside an op: nothing."""
+    return _suspended()
+
+
 @contextlib.contextmanager
 def _suspended():
     op = _current()
@@ -301,7 +308,7 @@ def _is_device(op: _Op, tensor: Any) -> bool:
     return where is not None and where[0] == op.token
 
 
-def _describe(tensor: torch.Tensor, modules_only: bool = False) -> str:
+def _describe(tensor: torch.Tensor) -> str:
     text = f"a {tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')} tensor"
     name = _attribute_of(tensor)
     return text + (f" (`{name}`)" if name else "")
