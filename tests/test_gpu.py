@@ -7,6 +7,7 @@ round-robin dispatch and cross-stream event waits run on a single GPU). They rea
 ``RoundPipeStrategy(parallel_devices=...)`` with ``Trainer(devices="auto")``.
 """
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -42,6 +43,21 @@ def _devices() -> list[torch.device]:
     return devices
 
 
+@contextlib.contextmanager
+def _sync_errors():
+    """CUDA's own host-sync check (``torch.cuda.set_sync_debug_mode("error")``) around a RoundPipe fit:
+    a synchronising CUDA call anywhere (``.item()`` or a blocking copy of a CUDA tensor,
+    ``Stream.synchronize``) raises, as the CPU driver's checking mode raises for a host sync inside a
+    device op (:mod:`lightning_roundpipe.runtime.backends.op_check`). torch keeps one setting for the
+    whole process, not per thread, so the driver cannot scope it to its device ops: it is on for the
+    RoundPipe fits of these tests only, not for the plain single-GPU references."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _strategy(**kw) -> lightning_roundpipe.RoundPipeStrategy:
     return lightning_roundpipe.RoundPipeStrategy(parallel_devices=_devices(), **kw)
 
@@ -58,8 +74,9 @@ def _gpu_check():
 def test_cuda_parity_fp32():
     kw = dict(max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.5)
     ref = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), **kw)  # CPU reference
-    got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), strategy=_strategy(num_microbatches=3),
-                     accelerator="cuda", devices="auto", **kw)
+    with _sync_errors():
+        got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), strategy=_strategy(num_microbatches=3),
+                         accelerator="cuda", devices="auto", **kw)
     assert max_diff(ref, got) <= 1e-4  # CUDA vs CPU kernels differ slightly
     assert all(p.device.type == "cpu" for p in got.values())
 
@@ -78,8 +95,9 @@ def test_cuda_logical_workers_on_one_gpu():
     kw = dict(max_steps=2, gradient_clip_val=0.5)
     ref = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), **kw)  # CPU reference
     strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=4, parallel_devices=[torch.device("cuda:0")] * 3)
-    got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), strategy=strategy, accelerator="cuda",
-                     devices="auto", callbacks=[Spy()], **kw)
+    with _sync_errors():
+        got = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), strategy=strategy, accelerator="cuda",
+                         devices="auto", callbacks=[Spy()], **kw)
     assert seen == [(3, 3, {"cuda:0"})] * 2
     assert max_diff(ref, got) <= 1e-4
 
@@ -88,7 +106,8 @@ def test_cuda_bf16_mixed_trains():
     module = CausalLMModule(tiny_hf("qwen3"))
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     t = trainer(_strategy(), devices="auto", accelerator="cuda", precision="bf16-mixed", max_steps=3)
-    t.fit(module, loader(TokenData()))
+    with _sync_errors():
+        t.fit(module, loader(TokenData()))
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in module.parameters())
     assert any(not torch.equal(before[n], p) for n, p in module.named_parameters())
 
@@ -99,7 +118,8 @@ def test_cuda_bf16_mixed_parity_with_plain_single_gpu_training():
     make = lambda: CausalLMModule(tiny_hf("llama"), lr=0.05)  # noqa: E731
     start = fit_params(make, TokenData(), max_steps=0)
     ref = fit_params(make, TokenData(), devices=1, **kw)
-    got = fit_params(make, TokenData(), strategy=_strategy(num_microbatches=3), devices="auto", **kw)
+    with _sync_errors():
+        got = fit_params(make, TokenData(), strategy=_strategy(num_microbatches=3), devices="auto", **kw)
     update_ref = {k: ref[k].cpu() - start[k] for k in start}
     update_got = {k: got[k] - start[k] for k in start}
     num = sum(((update_ref[k] - update_got[k]) ** 2).sum().item() for k in start) ** 0.5
@@ -142,8 +162,9 @@ def test_cuda_in_place_ops_parity():
 
     kw = dict(max_steps=3, accumulate_grad_batches=2)
     ref = fit_params(InPlaceMLP, VectorData(), **kw)  # CPU reference
-    got = fit_params(InPlaceMLP, VectorData(), strategy=_strategy(num_microbatches=3), accelerator="cuda",
-                     devices="auto", **kw)
+    with _sync_errors():
+        got = fit_params(InPlaceMLP, VectorData(), strategy=_strategy(num_microbatches=3), accelerator="cuda",
+                         devices="auto", **kw)
     assert max_diff(ref, got) <= 1e-4
 
 
@@ -179,8 +200,9 @@ def test_cuda_moe_parity_with_routing_replay_and_aux_loss():
     kw = dict(max_steps=2, accumulate_grad_batches=2, gradient_clip_val=0.5)
     for kind in ("qwen3_moe", "gpt_oss"):
         ref = fit_params(lambda: CausalLMModule(tiny_moe(kind)), TokenData(n=28), **kw)  # CPU reference
-        got = fit_params(lambda: CausalLMModule(tiny_moe(kind)), TokenData(n=28), accelerator="cuda", devices="auto",
-                         strategy=_strategy(num_microbatches=3), **kw)
+        with _sync_errors():
+            got = fit_params(lambda: CausalLMModule(tiny_moe(kind)), TokenData(n=28), accelerator="cuda", devices="auto",
+                             strategy=_strategy(num_microbatches=3), **kw)
         assert max_diff(ref, got) <= 1e-4, kind  # CUDA vs CPU kernels differ slightly
 
 

@@ -13,7 +13,8 @@ Layer sequence (issue 2, DESIGN.md section 2):
 states ``(batch, seq, hidden)`` (the only entry with a gradient), the attention mask as the model
 got it (``(batch, seq)``, or ``None``), the position ids (``(batch or 1, seq)`` int64), and the
 entries only the tail or the routing reads (labels, ``num_items_in_batch``, the mixture-of-experts
-scalars). The 4D attention masks (full and sliding-window, ``O(seq^2)``) and the rotary ``cos``/
+scalars), and the attention layout (``sequence_layout``: padded, packed or plain causal) decided on the
+host from the CPU-side mask and positions before upload (:func:`sequence_layout`). The 4D attention masks (full and sliding-window, ``O(seq^2)``) and the rotary ``cos``/
 ``sin`` tables are *derived carry entries* (:class:`HFDerivedCarry`): the first decoder layer of
 each stage that reads one builds it on its device with transformers' own
 ``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask`` and the model's
@@ -99,16 +100,66 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     return family_of(model) is not None
 
 
-def _mask_call(fn, config, inputs_embeds, attention_mask, position_ids):
+def _mask_call(fn, config, inputs_embeds, attention_mask, position_ids, **extra):
     params = inspect.signature(fn).parameters
     kw = {"config": config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask, "position_ids": position_ids}
     if "cache" in params:
         kw["cache"] = None
-    if "past_key_values" in params:
+    elif "past_key_values" in params:
         kw["past_key_values"] = None
     if "cache_position" in params:
         kw["cache_position"] = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
-    return fn(**kw)
+    return fn(**kw, **extra)
+
+
+#: carry key of the attention layout decided on the host (:func:`sequence_layout`)
+LAYOUT_KEY = "sequence_layout"
+#: the layouts :func:`sequence_layout` decides between
+LAYOUTS = ("causal", "padded", "packed", "given")
+
+
+def sequence_layout(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, packing: bool) -> str:
+    """The attention layout of a batch, decided on the host from its CPU-side 2D mask and positions
+    before upload (DESIGN.md section 4: the data-dependent decisions transformers' mask builders make
+    with ``bool(tensor)`` on the device, made once here and carried as data), as the model's own
+    forward decides it for the whole batch:
+
+    - ``"padded"``: a 2D ``attention_mask`` with a masked token anywhere in the batch: every
+      microbatch gets the explicit mask (transformers' ``_ignore_causal_mask_sdpa`` keeps it);
+    - ``"packed"``: no mask, and the position ids restart inside a row (several sequences packed in
+      one row, as ``DataCollatorWithFlattening`` makes them: transformers' ``find_packed_sequence_indices``
+      finds more than one sequence); only with ``packing``, where the model's forward looks for
+      packed sequences (no KV cache: ``use_cache=False``; a family that passes position ids to its
+      mask builders);
+    - ``"given"``: a mask that is not 2D (a prepared 4D mask), used as it is;
+    - ``"causal"``: otherwise (no mask or one without masked tokens, and no packed rows): a plain
+      causal mask (sdpa: none, ``is_causal``).
+
+    Args:
+        attention_mask: the call's mask (``(batch, seq)``, ``None``, or 4D), on the host.
+        position_ids: the call's position ids (``(batch or 1, seq)`` int64, or ``None``), on the host.
+        packing: whether the model's forward would detect packed sequences in this call.
+    """
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            return "given"
+        return "causal" if bool(attention_mask.all()) else "padded"
+    if packing and position_ids is not None and position_ids.dim() == 2:
+        from transformers.masking_utils import find_packed_sequence_indices
+
+        if find_packed_sequence_indices(position_ids) is not None:
+            return "packed"
+    return "causal"
+
+
+def _packed_sequence_ids(position_ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per token, the index of the packed sequence it belongs to inside its row (``(rows, seq)``):
+    a new sequence starts wherever the position does not follow the one before by 1, as
+    transformers' ``find_packed_sequence_indices`` counts them; on the positions' device, without
+    its host-side check."""
+    first = position_ids[:, :1] - 1
+    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
+    return starts.cumsum(-1).expand(rows, -1)
 
 
 #: the transformers mask builder of each attention type
@@ -121,7 +172,11 @@ class HFDerivedCarry(DerivedCarry):
     Entries: ``"mask/<layer type>"`` (``"mask/full_attention"``, ``"mask/sliding_attention"``): what
     ``create_causal_mask`` / ``create_sliding_window_causal_mask`` return for the carry's hidden
     states (shape, dtype, device), its 2D ``attention_mask`` and its ``position_ids``, as the
-    model's forward calls them: a ``(batch, 1, seq, seq)`` bool mask (sdpa), a float mask of the
+    model's forward calls them for the whole batch, with the layout the host decided before upload
+    (the carry's ``sequence_layout``, :func:`sequence_layout`), so no device op reads a mask's or a
+    position's value: ``"padded"`` builds the explicit mask (``allow_is_causal_skip=False``),
+    ``"packed"`` the causal mask within each packed sequence (``and_mask_function`` of
+    transformers' ``packed_sequence_mask_function``), ``"causal"`` the mask of no mask and no positions: a ``(batch, 1, seq, seq)`` bool mask (sdpa), a float mask of the
     hidden states' dtype with its minimum at masked positions (eager), ``None`` where the
     attention needs none (sdpa without padding), or the carried mask itself when it is 4D.
     ``"rotary"``: ``(cos, sin)``, each ``(batch or 1, seq, head_dim)`` in the hidden states'
@@ -150,7 +205,7 @@ class HFDerivedCarry(DerivedCarry):
                              f" {sorted(_MASK_BUILDERS)}. HINT: train this model with the default strategy.")
         rotary = [f"rotary/{t}" for t in types] if rotary_per_layer_type else ["rotary"]
         # the masks and tables read the hidden states' shape, dtype and device only (not their values)
-        super().__init__(tuple(f"mask/{t}" for t in types) + tuple(rotary), sources=("attention_mask", "position_ids"),
+        super().__init__(tuple(f"mask/{t}" for t in types) + tuple(rotary), sources=("attention_mask", "position_ids", LAYOUT_KEY),
                          anchor="position_ids", shape_sources=("hidden_states",))
         self.rotary_emb = rotary_emb
         self.config = config
@@ -164,7 +219,17 @@ class HFDerivedCarry(DerivedCarry):
             from transformers import masking_utils
 
             fn = getattr(masking_utils, _MASK_BUILDERS[layer_type])
-            return _mask_call(fn, self.config, h, carry.get("attention_mask"), pos if self.mask_positions else None)
+            mask = carry.get("attention_mask")
+            layout = carry.get(LAYOUT_KEY)
+            if layout is None:  # a carry made without `prepare`: transformers decides on the device
+                return _mask_call(fn, self.config, h, mask, pos if self.mask_positions else None)
+            if layout == "padded":  # the host saw masked tokens: the explicit mask in every microbatch
+                return _mask_call(fn, self.config, h, mask, pos, allow_is_causal_skip=False)
+            if layout == "packed":  # each token attends within its own packed sequence
+                ids = _packed_sequence_ids(pos, h.shape[0])
+                return _mask_call(fn, self.config, h, None, None,
+                                  and_mask_function=masking_utils.packed_sequence_mask_function(ids))
+            return _mask_call(fn, self.config, h, mask if layout == "given" else None, None)
         if layer_type:
             return self.rotary_emb(h, pos, layer_type)
         return self.rotary_emb(h, pos)
@@ -383,8 +448,9 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         sliding = sw_attr is not None and getattr(cfg, sw_attr, None) is not None
         layer_types = ["sliding_attention" if sliding else "full_attention"] * n
     moe = entry["moe"](inner) if entry.get("moe") is not None else None
+    mask_positions = entry.get("mask_positions", True)
     derived = HFDerivedCarry(body.rotary_emb, cfg, layer_types, rotary_per_layer_type=entry.get("rotary_per_layer_type", False),
-                             mask_positions=entry.get("mask_positions", True))
+                             mask_positions=mask_positions)
     make_decoder = entry.get("decoder") or HFDecoderLayer
     if moe is not None:
         make_decoder = moe.decoder
@@ -425,8 +491,11 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
                              f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else ''}.")
         return_dict = kwargs.get("return_dict")  # None: the config's, as HF's `can_return_tuple` reads it
         call_format.as_tuple = not (getattr(cfg, "return_dict", True) if return_dict is None else return_dict)
-        carry = {"input_ids": input_ids, "attention_mask": kwargs.get("attention_mask"),
-                 "position_ids": kwargs.get("position_ids")}
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        carry = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions}
+        # decided here, on the host, before upload: no device op reads a mask's or a position's value
+        use_cache = getattr(cfg, "use_cache", False) if kwargs.get("use_cache") is None else kwargs["use_cache"]
+        carry[LAYOUT_KEY] = sequence_layout(mask, positions, mask_positions and not use_cache)
         labels = kwargs.get("labels")
         if labels is not None:
             carry["labels"] = labels

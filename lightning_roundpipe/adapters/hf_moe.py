@@ -122,7 +122,7 @@ def _router_hook(spec: RouterSpec, num_experts: int, module: nn.Module, args: tu
         indices = scope.store.replay(key, logits.device, scope.wait)
         scores = spec.scores(module, logits, indices)
     if aux is not None:  # this (layer, microbatch)'s share of the load-balancing loss, for its gradient
-        counts = scope.store.totals(scope.wait)["counts"].to(logits.device)
+        counts = scope.store.totals(scope.wait, logits.device)["counts"]  # no host sync inside the op
         probs = torch.nn.functional.softmax(logits, dim=-1).float() * aux["mask"].unsqueeze(-1)
         scope.aux_terms.append(aux["weight"] * (counts * probs.sum(dim=0)).sum())
     return (logits, scores, indices)

@@ -14,7 +14,8 @@ intra-op thread (one core; set for the worker thread alone,
 copies are real copies into and out of device-local tensors, so transfers overlap compute as on a GPU
 and a missing dependency edge is a real race.
 
-Checking mode (``check_streams``): a :class:`~lightning_roundpipe.runtime.backends.checker.StreamChecker`
+Checking mode (``check_streams``; inside each op also :mod:`~lightning_roundpipe.runtime.backends.op_check`:
+host syncs and placement): a :class:`~lightning_roundpipe.runtime.backends.checker.StreamChecker`
 shared by all devices sees every op's buffer accesses and every wait when they are issued, and raises
 when an op touches a buffer it has not waited for (the test suite runs with it on).
 
@@ -53,6 +54,7 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_roundpipe.runtime.backends import op_check
 from lightning_roundpipe.runtime.backends.base import Backend
 from lightning_roundpipe.runtime.backends.budget import DeviceMemoryLedger, measuring_default
 from lightning_roundpipe.runtime.backends.checker import Access, StreamChecker
@@ -245,10 +247,11 @@ class CpuBackend(Backend):
         self._gate.set()
 
     def op_scope(self, stream: str, label: str):
+        checks = op_check.op_scope(self, stream, label, self.checker is not None)  # host syncs, placement
         if self.memory is None:
-            return contextlib.nullcontext()
+            return checks
         self.memory.set_where(label)
-        return self.memory.counting()  # every stream: the copy engines' clones are device memory too
+        return op_check.both(checks, self.memory.counting())  # every stream: the copy engines' clones are device memory too
 
     def _thread_setup(self, stream: str) -> None:
         limit_this_thread(1)
@@ -355,6 +358,7 @@ class CpuBackend(Backend):
             self.memory.set_where(where or self.pool_label or f"the stage weight pool (a slot of {nbytes} bytes)")
             self.memory.check(nbytes)  # before the pool's buffer is allocated
         buffer = torch.empty(nbytes, dtype=torch.uint8)
+        op_check.track(buffer, id(self), self.device_index)  # device memory (the placement check)
         if self.memory is not None:
             self.memory.track(buffer)
         return buffer

@@ -33,6 +33,8 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_roundpipe.runtime.backends import op_check
+
 #: debugging switch: ``False`` makes recomputation choose a fresh top-k (the failure mode replay prevents)
 REPLAY_ROUTING = True
 
@@ -43,8 +45,8 @@ def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """A host copy of ``tensor`` that a later in-place op cannot reach; on CUDA a non-blocking copy
     into pinned memory and the event after which it is valid."""
     tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        return tensor.clone(), None
+    if tensor.device.type == "cpu":  # a CPU virtual device: a copy in host memory (not the device's)
+        return op_check.host_copy(tensor), None
     if tensor.device.type == "cuda":
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
@@ -74,6 +76,7 @@ class RoutingStore:
         self._num_passed = 0
         self._lock = threading.Lock()
         self._totals: dict[str, torch.Tensor] | None = None
+        self._device_totals: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         self.complete = threading.Event()
         """Set once every microbatch's forward has passed every routing layer."""
         if not routing_layers:
@@ -131,12 +134,18 @@ class RoutingStore:
             torch.cuda.current_stream(device).wait_event(event)
         return host.to(device, non_blocking=True).to(torch.int64)
 
-    def totals(self, wait: Callable[[threading.Event], None] | None = None) -> dict[str, torch.Tensor]:
-        """Every statistic summed over all recorded (layer, microbatch, call) keys, fp32 on the host.
+    def totals(self, wait: Callable[[threading.Event], None] | None = None,
+               device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """Every statistic summed over all recorded (layer, microbatch, call) keys, fp32, in key order.
 
         Args:
             wait: called with :attr:`complete` to block until the whole batch is recorded (the
                 executor passes one that stops when the program aborts); ``None``: must be complete.
+            device: ``None``: the sums on the host (after the program: the host consumes them). A
+                device: inside a device op, the sums on that device, without a host sync: each
+                host statistic is uploaded after the op's stream waited for its download (CUDA: a
+                stream wait on its event, never ``event.synchronize()``); computed once per device
+                and compute thread (the op's stream) and kept. The same values, bit for bit.
 
         Raises:
             RuntimeError: when ``wait`` is ``None`` and the routing of the batch is not complete.
@@ -145,6 +154,8 @@ class RoutingStore:
             if wait is None:
                 raise RuntimeError("RoundPipe: the whole batch's routing statistics are not complete yet.")
             wait(self.complete)
+        if device is not None:
+            return self._totals_on(torch.device(device))
         with self._lock:
             if self._totals is None:
                 totals: dict[str, torch.Tensor] = {}
@@ -156,6 +167,24 @@ class RoutingStore:
                         totals[name] = value if name not in totals else totals[name] + value
                 self._totals = totals
             return self._totals
+
+    def _totals_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        where = (str(device), threading.get_ident())
+        with self._lock:
+            kept = self._device_totals.get(where)
+            recorded = [self._stats[key] for key in sorted(self._stats)]
+        if kept is not None:
+            return kept
+        totals: dict[str, torch.Tensor] = {}
+        for stats in recorded:
+            for name, (host, event) in stats.items():
+                if event is not None:
+                    torch.cuda.current_stream(device).wait_event(event)
+                value = host.to(device, non_blocking=True).to(torch.float32)
+                totals[name] = value if name not in totals else totals[name] + value
+        with self._lock:
+            self._device_totals[where] = totals
+        return totals
 
 
 class RoutingScope:
