@@ -371,7 +371,7 @@ class Executor(TransferOps):
 
     def _release_dequantised(self, backend: Backend, op: Op, run: ProgramRun) -> None:
         """After a stage's last compute op of its residency: unbind and free its fp8 weights' dequantised
-        copies (:meth:`~lightning_roundpipe.runtime.host.store.ResidentStage.release_dequantised`), so a
+        copies (:meth:`~lightning_roundpipe.runtime.host.layout.ResidentStage.release_dequantised`), so a
         device holds one stage's copies at a time (the memory model counts one)."""
         resident = run.resident.get(self._stage_key(run, op))
         if resident is None or not resident.quantised or resident.released:
