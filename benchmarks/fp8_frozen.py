@@ -39,7 +39,7 @@ KEYS = ("roundpipe/frozen_matmul_host_bytes_per_param(bytes)", "roundpipe/frozen
 
 def base_h2d_bytes(engine) -> float:
     """Weight H2D bytes of the step's programs that are the frozen base linears' (codes and scales, or bf16)."""
-    from lightning_roundpipe.runtime.host.store import _padded_bytes
+    from lightning_roundpipe.runtime.host.layout import _padded_bytes
 
     store, total = engine.store, 0.0
     for program, timeline in zip(engine._step_programs, engine._timelines):

@@ -53,7 +53,6 @@ import gc
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -74,7 +73,6 @@ QWEN3_1_7B = dict(layers=28, hidden=2048, intermediate=6144, heads=16, kv_heads=
 TINY = dict(layers=4, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512, seq_len=32,
             batch_size=4)
 GIB = float(2**30)
-EPS_S = 5e-5  # timer resolution allowed when comparing spans of one device (CUDA events: ~0.5 us)
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -198,69 +196,6 @@ class RoundPipeRecorder(lightning_roundpipe.RoundPipeMetricsCallback):
 
 
 # ------------------------------------------------------------------------------------------ analysis
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def _length(spans: list[tuple[float, float]]) -> float:
-    return sum(e - s for s, e in spans)
-
-
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of the intersection of two sorted, disjoint span lists."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-_ROUND = re.compile(r"@(\d+)$")
-
-
-def upload_overlap(timelines: list[Any]) -> dict[str, Any]:
-    """From measured timelines (one per program): the weight-upload seconds (union of the ``weights``
-    stream's spans that moved bytes, per logical device), the part of them under compute on the same
-    device, their ratio, the number of chunks, and the computes that started before every chunk of
-    one upload of their stage (a ``LOAD``: the chunks of one dispatch, ``"3LOAD.c1@2"``) had ended on
-    that device: 0 when the program's LOAD -> compute edges held."""
-    upload = hidden = 0.0
-    chunks = violations = computes_seen = 0
-    for tl in timelines:
-        for d in range(tl.num_devices):
-            mine = [i for i in tl.intervals if i.device_index == d]
-            weights = [i for i in mine if i.stream == "weights"]
-            computes = [i for i in mine if i.is_compute]
-            w = _union([(i.start_s, i.end_s) for i in weights if i.nbytes])
-            c = _union([(i.start_s, i.end_s) for i in computes])
-            upload += _length(w)
-            hidden += _intersection(w, c)
-            chunks += sum(1 for i in weights if i.nbytes)
-            loads: dict[tuple[int, int], float] = {}  # (stage, round) -> end of its last chunk
-            for i in weights:
-                match = _ROUND.search(i.label)
-                key = (i.stage_index, int(match.group(1)) if match else 0)
-                loads[key] = max(loads.get(key, -math.inf), i.end_s)
-            for comp in computes:
-                computes_seen += 1
-                ends = [end for (stage, _), end in loads.items() if stage == comp.stage_index]
-                if not any(end <= comp.start_s + EPS_S for end in ends):
-                    violations += 1
-    return {"weight_upload_s": upload, "weight_upload_hidden_s": hidden,
-            "hidden_upload_fraction": hidden / upload if upload > 0 else None,
-            "weight_chunks": chunks, "computes": computes_seen, "computes_before_their_upload": violations}
-
-
 def peak_flops(accelerator: str, devices: list[torch.device]) -> dict[str, float | None]:
     """The datasheet bf16 peak of the first device (``PEAK_FLOPS``; ``None`` if not listed or on the
     CPU) and a measured bf16 matmul peak (8192^3 GEMMs timed with CUDA events; 512^3 on the CPU)."""
@@ -533,6 +468,7 @@ def check_throughput(args: argparse.Namespace, report: Report) -> bool:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_check_modes import mode_checks  # noqa: E402
 from gpu_check_sanitizer import check_sanitizer  # noqa: E402
+from gpu_check_timeline import upload_overlap  # noqa: E402
 
 
 class _ThisModule:

@@ -62,10 +62,11 @@ def _strategy(**kw) -> lightning_roundpipe.RoundPipeStrategy:
     return lightning_roundpipe.RoundPipeStrategy(parallel_devices=_devices(), **kw)
 
 
-def _gpu_check():
-    """``benchmarks/gpu_check.py`` as a module (its timeline analysis is shared with these tests)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("roundpipe_gpu_check", path)
+def _gpu_check_timeline():
+    """``benchmarks/gpu_check_timeline.py`` as a module (the timeline analysis of ``benchmarks/gpu_check.py``,
+    shared with these tests)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check_timeline.py"
+    spec = importlib.util.spec_from_file_location("roundpipe_gpu_check_timeline", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -141,7 +142,7 @@ def test_cuda_weight_uploads_end_before_their_stage_computes():
 
     fit_params(lambda: CausalLMModule(tiny_hf("llama", layers=8)), TokenData(), accelerator="cuda", devices="auto",
                max_steps=2, callbacks=[Spy()], strategy=_strategy(num_microbatches=4, partition="default"))
-    overlap = _gpu_check().upload_overlap(seen)
+    overlap = _gpu_check_timeline().upload_overlap(seen)
     assert overlap["weight_chunks"] > 0 and overlap["computes"] > 0, overlap
     workers = {i.device_index for tl in seen for i in tl.intervals if i.is_compute}
     assert workers == set(range(len(_devices())))  # round-robin reached every worker

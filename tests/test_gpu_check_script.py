@@ -25,8 +25,9 @@ STEPS = ["throughput", "parity", "throughput_logical", "dropout_accum", "async_s
          "pytest_logical", "pytest_all"]  # after install, in the script's order: the measuring steps first
 
 
-def _gpu_check():
-    spec = importlib.util.spec_from_file_location("roundpipe_gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+def _gpu_check(name: str = "gpu_check"):
+    """``benchmarks/<name>.py`` as a module (``gpu_check``, or its timeline analysis ``gpu_check_timeline``)."""
+    spec = importlib.util.spec_from_file_location(f"roundpipe_{name}", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -366,7 +367,7 @@ def test_upload_overlap_of_measured_timelines():
     def comp(stage, start, end, device=0, mb=0):
         return Interval(device, "F", stage, mb, start, end, stream="compute", label=f"{stage}F{mb}")
 
-    overlap = _gpu_check().upload_overlap
+    overlap = _gpu_check("gpu_check_timeline").upload_overlap
     # device 0: stage 1 uploads in [1, 3] (two chunks) while stage 0 computes in [0, 2]; stage 1 computes
     # from 3; device 1: an upload with no compute at all
     tl = Timeline(2, [comp(0, 0.0, 2.0), load(0, 0, -1.0, 0.0), load(1, 0, 1.0, 2.0), load(1, 1, 2.0, 3.0),

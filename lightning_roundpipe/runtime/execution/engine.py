@@ -7,7 +7,6 @@ creates it, installs it and reads its metrics.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
@@ -27,6 +26,7 @@ from lightning_roundpipe.runtime.tuning.autopartition import (choose_partition, 
 from lightning_roundpipe.runtime.backends import make_backends, smallest_stage_budget, step_memory_peaks
 from lightning_roundpipe.runtime.execution.jitter import pause as jitter_pause
 from lightning_roundpipe.runtime.execution.executor import Executor, PipelineState, rng_layers
+from lightning_roundpipe.runtime.execution.host_calls import HostCalls
 from lightning_roundpipe.runtime.host.memory import HostMemory, host_memory
 from lightning_roundpipe.runtime.execution.overlap import StepOverlap
 from lightning_roundpipe.runtime.execution.microbatch import (BatchStatistics, check_batch_dim, merge_input_grads, merge_leaves,
@@ -42,7 +42,7 @@ from lightning_roundpipe.schedule.program import StreamProgram
 log = logging.getLogger(__name__)
 
 
-class RoundPipeEngine:
+class RoundPipeEngine(HostCalls):
     """Pipelined execution of a :class:`LayerSequence`.
 
     Args:
@@ -255,75 +255,7 @@ class RoundPipeEngine:
         """``roundpipe/device{i}/peak_memory(GiB)``'s bytes: :func:`~lightning_roundpipe.runtime.backends.step_memory_peaks`."""
         return step_memory_peaks(self.backends)
 
-    # ------------------------------------------------------------------ install / close
-    def install(self) -> None:
-        """Replace ``seq.target.forward`` by :meth:`forward` (and a ``generate`` method by :meth:`generate`: its forwards run
-        on the host) as :class:`InstalledMethod` s: a deep copy or pickle of the module meanwhile gets its own methods."""
-        from lightning_roundpipe.runtime.execution.installed import InstalledMethod
-        target = self.seq.target
-        if self._original_forward is None:
-            self._original_forward = target.__dict__.get("forward")
-            target.forward = InstalledMethod(self.forward, target, "forward", self._original_forward)
-        if self._original_generate is None and callable(getattr(target, "generate", None)):
-            self._original_generate = target.__dict__.get("generate", False)  # False: the class's own
-            target.generate = InstalledMethod(self.generate, target, "generate", self._original_generate)
-
-    def uninstall(self) -> None:
-        """Restore the target's own forward (and ``generate``)."""
-        target = self.seq.target
-        for name, original in (("forward", self._original_forward), ("generate", self._original_generate)):
-            current = target.__dict__.get(name)
-            if current is not None and getattr(current, "engine", None) is self:  # an InstalledMethod of ours
-                del target.__dict__[name]
-                if original:
-                    setattr(target, name, original)
-        self._original_forward = None
-        self._original_generate = None
-
-    # ------------------------------------------------------------------ host calls (generation)
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """The target's own ``generate``, with every forward it calls run by :meth:`host_forward`."""
-        target = self.seq.target
-        original = self._original_generate or type(target).generate.__get__(target)
-        depth = getattr(self._host_calls, "depth", 0)
-        self._host_calls.depth = depth + 1
-        try:
-            return original(*args, **kwargs)
-        finally:
-            self._host_calls.depth = depth
-
-    def host_forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The target's original forward, un-pipelined, in the calling thread on the CPU master weights.
-
-        Used for ``generate()`` and for calls the pipeline cannot run (a KV cache: ``use_cache=True``,
-        ``cache``/``past_key_values``; hidden states, attentions...; the adapter's ``host_call``).
-        :attr:`host_barrier` runs first (the asynchronous optimizer's step in flight has landed); with
-        an autocast dtype (mixed precision) the call runs under CPU autocast, as the workers do.
-
-        Raises:
-            ValueError: with gradients enabled and trainable parameters (host calls have no pipelined
-                backward; ``generate()`` runs under ``torch.no_grad()``).
-        """
-        seq = self.seq
-        if torch.is_grad_enabled() and any(p.requires_grad for p in seq.parameters()):
-            given = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
-            raise ValueError(
-                f"The pipelined `{seq.family}` model was called with gradients enabled and arguments the pipeline does"
-                f" not run ({', '.join(f'`{k}`' for k in given)}): such calls (a KV cache, `generate()`,"
-                " `inputs_embeds`, hidden states, attentions) run un-pipelined on the host, without a backward."
-                " HINT: call it under `torch.no_grad()` (as `generate()` does), or train with `input_ids`,"
-                " `attention_mask`, `position_ids` and `labels` only."
-            )
-        self.drain()  # an overlapped call's gradients and buffers land (and may start an optimizer step)
-        if self.host_barrier is not None:
-            self.host_barrier()
-        target = seq.target
-        original = self._original_forward or type(target).forward.__get__(target)
-        context = (torch.autocast("cpu", dtype=self.autocast_dtype) if self.autocast_dtype is not None
-                   else contextlib.nullcontext())
-        with context, self.store.host_weights():  # fp8 frozen weights: dequantised copies meanwhile
-            return original(*args, **kwargs)
-
+    # ------------------------------------------------------------------ close
     def close(self) -> None:
         """Uninstall, stop the worker threads and give frozen parameters held in the compute dtype
         their original dtype back (values stay rounded to the compute dtype: see

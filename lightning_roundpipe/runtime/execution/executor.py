@@ -5,7 +5,8 @@ Every (device, stream) list is walked in order by that stream's thread (DESIGN.m
 makes its stream wait for that op's device event (cross-device too); after the op it records its own
 event. A dispatch table maps each op kind to its handler:
 
-- ``LOAD``: chunk ``c`` of the stage's weights from the host shadows into the stage's device buffer;
+- ``LOAD``: chunk ``c`` of the stage's weights from the host shadows into the stage's device buffer
+  (:mod:`~lightning_roundpipe.runtime.execution.residency`, as ``DROP``);
 - ``H2D`` / ``GH2D``: the input of an ``F``/``X``/``R`` / the incoming gradient of a ``B``, host to device
   (into the device's transfer pool; :mod:`~lightning_roundpipe.runtime.execution.transfers`);
 - ``F``: forward without autograd (the inputs of later backward stages are snapshotted as they
@@ -44,12 +45,13 @@ from lightning_roundpipe.metrics.timeline import Interval, Timeline
 from lightning_roundpipe.runtime.execution.access import in_bank, op_access, round_of
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
 from lightning_roundpipe.runtime.execution.jitter import pause as jitter_pause
-from lightning_roundpipe.runtime.backends.pool import HostStagingPool, pool_slots
+from lightning_roundpipe.runtime.backends.pool import HostStagingPool
 from lightning_roundpipe.runtime.backends.threads import limit_this_thread
 from lightning_roundpipe.runtime.execution.carry import diff_leaves, grad_leaves, grad_positions, snapshot
 from lightning_roundpipe.runtime.execution.devices import StreamThread
 from lightning_roundpipe.runtime.execution.errors import ErrorNotes
 from lightning_roundpipe.runtime.execution.replica import LayerReplica
+from lightning_roundpipe.runtime.execution.residency import ResidencyOps, last_compute_ops
 from lightning_roundpipe.runtime.execution.transfers import TransferOps
 from lightning_roundpipe.runtime.replay.rng import layer_seed, rng_layers, rng_scope  # noqa: F401 (rng_layers: the engine's)
 from lightning_roundpipe.runtime.replay.routing import routing_scope
@@ -59,7 +61,7 @@ from lightning_roundpipe.runtime.host.store import WeightStore
 from lightning_roundpipe.schedule.lower import plan_dispatches
 from lightning_roundpipe.schedule.program import STREAMS, Op, OpKind, StreamProgram
 
-class Executor(TransferOps):
+class Executor(TransferOps, ResidencyOps):
     """Runs stream programs of one :class:`LayerSequence` on a fixed set of device backends.
 
     Args:
@@ -361,25 +363,13 @@ class Executor(TransferOps):
         try:
             with backend.op_scope(stream, f"stage {op.stage_index}, {op}"):
                 run.nbytes[op] = self._dispatch[op.kind](backend, op, run) or 0
-                if stream == "compute" and self.store.fp8_weights and op in _last_compute_ops(run.program):
+                if stream == "compute" and self.store.fp8_weights and op in last_compute_ops(run.program):
                     self._release_dequantised(backend, op, run)
         except _Aborted:
             return
         except BaseException as error:
             run.fail(error, self.error_notes.note(error, backend.device_index, str(backend.device), op, stream,
                                                   run.plan.stages[op.stage_index], self.replicas[backend.device_index]))
-
-    def _release_dequantised(self, backend: Backend, op: Op, run: ProgramRun) -> None:
-        """After a stage's last compute op of its residency: unbind and free its fp8 weights' dequantised
-        copies (:meth:`~lightning_roundpipe.runtime.host.store.ResidentStage.release_dequantised`), so a
-        device holds one stage's copies at a time (the memory model counts one)."""
-        resident = run.resident.get(self._stage_key(run, op))
-        if resident is None or not resident.quantised or resident.released:
-            return
-        replicas = self.replicas[backend.device_index]
-        for li in run.plan.stages[op.stage_index].layers:
-            replicas[li].unbind(resident.layer_tensors(li))
-        resident.release_dequantised()
 
     def _commit_grads(self, run: ProgramRun) -> None:
         """Host thread: add each backward dispatch's gradients, in (round, backward stage) order."""
@@ -455,51 +445,6 @@ class Executor(TransferOps):
         if run.state.input_grad_positions:
             return grad_positions(carry, run.state.input_grad_positions)
         return carry, []
-
-    # ------------------------------------------------------------------ transfers
-    def _load(self, backend: Backend, op: Op, run: ProgramRun) -> int:
-        spec = run.plan.stages[op.stage_index]
-        layout = self.store.layout(spec.layers)
-        key = (op.stage_index, op.round_index)
-        if op.chunk_index == 0:  # the pool slot the program gives this dispatch (its release was waited for)
-            slot = pool_slots(run.plan)[(backend.device_index, *key)]
-            pools = backend.bank(run.bank)
-            buffer = pools.pool.buffer(slot)[:layout.total_bytes]
-            backend.poison(buffer)
-            accumulate = self.store.accumulator_numel(spec.layers) * 4 if spec.kind == "backward" else 0
-            run.resident[key] = self.store.resident(  # the fp32 accumulator of the same slot (reserved)
-                layout, buffer, with_grad=spec.kind == "backward",
-                accumulator_buffer=pools.accumulator_pool.take(slot, accumulate) if accumulate else None)
-            run.add_resident(backend.device_index, layout.total_bytes)
-        resident = run.resident[key]
-        start = op.chunk_index * run.program.chunk_bytes
-        stop = min(start + run.program.chunk_bytes, layout.total_bytes)
-        if stop > start:
-            backend.copy_chunk(self.store.chunk_pieces(layout, resident.buffer, start, stop, run.shadow_bank),
-                               stop - start)
-        if stop >= layout.total_bytes:
-            self.store.own_buffers(resident)  # made here, read by compute: released after the DROP (below)
-        return max(0, stop - start)
-
-    def _drop(self, backend: Backend, op: Op, run: ProgramRun) -> int:
-        resident = run.resident.pop((op.stage_index, op.round_index))
-        spec = run.plan.stages[op.stage_index]
-        saved = self.store.written_back(resident)
-        if (spec.kind == "forward" or spec.fused) and saved and any(
-                self.seq.layers[li].training for li in spec.layers):
-            # persistent buffers (BatchNorm statistics) go down on this stream into pinned host memory, and
-            # reach the masters after the program (no blocking D2H into pageable memory inside the worker)
-            masters = [master for master, _ in saved]
-            self._write_back(backend, op, run, saved, lambda host: run.write_backs.extend(zip(masters, host)))
-        replicas = self.replicas[backend.device_index]
-        for li in spec.layers:  # the replicas must not keep the dropped buffer alive
-            replicas[li].unbind(resident.layer_tensors(li))
-        # the buffers' own copies (made on the weights stream, read by compute, downloaded above) go
-        # back to the allocator once this op's stream has passed them (CUDA; no record_stream)
-        backend.release_after([view for _, view in resident.buffer_pairs], "d2h")
-        with run._lock:
-            run.resident_bytes[backend.device_index] -= resident.nbytes
-        return 0
 
     # ------------------------------------------------------------------ compute
     def _forward(self, backend: Backend, op: Op, run: ProgramRun) -> int:
@@ -586,20 +531,3 @@ class Executor(TransferOps):
             for li, sec in seconds.items():
                 self.profiler.record("backward", li, total * sec / forward, backend.device_index)
         run.profile_marks.clear()
-
-
-def _last_compute_ops(program: StreamProgram) -> frozenset[Op]:
-    """Per device, the last op of each (stage, round) residency on its ``compute`` stream (cached on the plan)."""
-    cache = program.plan._meta.setdefault("_last_compute_ops", {})
-    held = cache.get(id(program))
-    got = held[1] if held is not None and held[0] is program else None
-    if got is None:
-        rounds = round_of(program)
-        last: dict[tuple[int, int, int], Op] = {}
-        for device_index, streams in enumerate(program.streams):
-            for op in streams["compute"]:
-                if op.microbatch_index is not None:
-                    last[(device_index, op.stage_index, rounds[(op.stage_index, op.microbatch_index)])] = op
-        got = frozenset(last.values())
-        cache[id(program)] = (program, got)
-    return got

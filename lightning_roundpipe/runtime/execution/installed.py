@@ -3,7 +3,7 @@
 Runtime code (no Lightning); the asynchronous optimizer (:mod:`~lightning_roundpipe.integration.async_step`)
 installs its wrappers on the LightningModule and the optimizers the same way.
 
-:meth:`~lightning_roundpipe.runtime.execution.engine.RoundPipeEngine.install` puts the pipelined
+:meth:`~lightning_roundpipe.runtime.execution.host_calls.HostCalls.install` (the engine's) puts the pipelined
 ``forward`` (and ``generate``) on the target module as instance attributes. A bound method of the
 engine there would make the module, and the LightningModule holding it, impossible to copy while
 the engine runs: ``copy.deepcopy`` and ``pickle`` would reach the engine's worker threads and

@@ -17,7 +17,7 @@ from lightning_roundpipe.runtime.host import fp8
 from lightning_roundpipe.runtime.host.pinned import pinned_bytes, pinned_empty
 
 if TYPE_CHECKING:  # pragma: no cover
-    from lightning_roundpipe.runtime.host.store import _Tensor
+    from lightning_roundpipe.runtime.host.layout import _Tensor
 
 
 class FrozenWeights:
