@@ -251,7 +251,7 @@ def test_a_fit_measures_the_host_optimizer_rate_during_the_profiled_steps(mode):
     samples = engine._optimizer_samples
     # the profiled steps only (async: the first update may still run when its batch ends)
     assert len(samples) == 3 if mode == "sync" else 2 <= len(samples) <= 3
-    assert all(nbytes == 12 * trainable for nbytes, _ in samples)
+    assert all(nbytes == 12 * trainable for nbytes, _ in samples), (samples, trainable)
     assert optimizer_mode.measured_optimizer_rate(engine) > 0
     assert optimizer_mode.run_mode(engine) == mode
     assert engine.hardware_model() is None or engine.hardware_model().host_optimizer_bytes_per_s > 0

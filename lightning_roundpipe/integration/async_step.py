@@ -276,7 +276,7 @@ class AsyncOptimizer:
             finally:
                 release()  # a failed copy raises at the next wait; the uploads must not hang meanwhile
 
-        self.stepper.submit(refresh, "weight snapshot refresh", on_skip=release)
+        self.stepper.submit(refresh, "weight snapshot refresh", on_skip=release, optimizer_step=False)
 
     # ------------------------------------------------------------------ steady state
     def _before_program(self) -> None:

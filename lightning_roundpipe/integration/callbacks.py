@@ -171,10 +171,11 @@ class RoundPipeMetricsCallback(Callback):
 def _optimizer_seconds(trainer: Any, main_thread_s: float | None, mode: str) -> float | None:
     """Seconds of the step's optimizer work for the host's optimizer rate: sync, the main thread's
     time from ``on_before_optimizer_step`` to the batch's end (clipping, ``optimizer.step()``, the
-    weight refresh); async, the optimizer thread's busy time since the metrics were last popped
-    (the previous step's job, which this step waited for), ``None`` when it ran none."""
+    weight refresh); async, the optimizer thread's time in optimizer steps since the metrics were last
+    popped (the previous step's job, which this step waited for; the snapshot refresh the thread
+    also runs is left out), ``None`` when it ran none."""
     if mode != "async":
         return main_thread_s
     stepper = getattr(getattr(trainer.strategy, "async_optimizer", None), "stepper", None)
-    busy = getattr(stepper, "busy_s", 0.0)
+    busy = getattr(stepper, "step_busy_s", 0.0)
     return busy if busy > 0 else None

@@ -58,7 +58,10 @@ _REGISTRY_LOCK = threading.Lock()
 _PRUNED = [4096]  # registry size after the last pruning of dead storages
 _COUNTERS: list["SyncCounter"] = []
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_SKIP_DIRS = (_TORCH_DIR, os.path.dirname(contextlib.__file__) + os.sep + "contextlib", os.path.abspath(__file__))
+# frames that are the checks' own machinery, never the line to blame: torch, contextlib, this module, and the
+# RNG guard's dispatch mode (`runtime/replay/rng_guard.py`), which a layer suspected of global draws runs under
+_SKIP_DIRS = (_TORCH_DIR, os.path.dirname(contextlib.__file__) + os.sep + "contextlib", os.path.abspath(__file__),
+              os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "replay", "rng_guard.py"))
 _DATA_DEPENDENT = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 _DYNAMIC: dict[Any, bool] = {}  # ATen op -> tagged with a data-dependent output
 _SCALAR_METHODS = {torch.Tensor.item: "`.item()`", torch.Tensor.tolist: "`.tolist()`",

@@ -64,6 +64,10 @@ class BackgroundStepper:
         self._error_job = ""
         self.busy_s = 0.0
         """Seconds the thread spent running jobs since the last :meth:`pop_stats`."""
+        self.step_busy_s = 0.0
+        """The part of :attr:`busy_s` spent in jobs submitted with ``optimizer_step=True`` (the host's
+        optimizer rate is measured on these alone: a weight snapshot refresh on the thread is not an
+        optimizer step)."""
         self.waited_s = 0.0
         """Seconds :meth:`wait` blocked the caller since the last :meth:`pop_stats`."""
 
@@ -73,7 +77,7 @@ class BackgroundStepper:
         return bool(self._done)
 
     def submit(self, fn: Callable[[], object], description: str = "job",
-               on_skip: Callable[[], object] | None = None) -> None:
+               on_skip: Callable[[], object] | None = None, optimizer_step: bool = True) -> None:
         """Queue ``fn()`` behind the jobs already queued and return at once.
 
         After a job raised, the jobs queued behind it are skipped (the error is re-raised by the
@@ -84,6 +88,8 @@ class BackgroundStepper:
             description: what the job is, for the note added to its exception
                 (``"optimizer step 12"``).
             on_skip: called instead of ``fn`` when the job is skipped (e.g. to set events others wait for).
+            optimizer_step: whether the job's time counts in :attr:`step_busy_s` (``False`` for other
+                host work run on the thread, such as the weight snapshot refresh).
 
         Raises:
             RuntimeError: when the thread was closed.
@@ -104,7 +110,10 @@ class BackgroundStepper:
                     self._error, self._error_job = error, description
             finally:
                 with self._lock:
-                    self.busy_s += time.perf_counter() - start
+                    elapsed = time.perf_counter() - start
+                    self.busy_s += elapsed
+                    if optimizer_step:
+                        self.step_busy_s += elapsed
 
         self._done.append(self._thread.submit(job))
 
@@ -137,7 +146,7 @@ class BackgroundStepper:
         """``(busy_s, waited_s)`` since the last call (seconds), then reset both."""
         with self._lock:
             out = (self.busy_s, self.waited_s)
-            self.busy_s = self.waited_s = 0.0
+            self.busy_s = self.waited_s = self.step_busy_s = 0.0
         return out
 
     def close(self) -> None:
