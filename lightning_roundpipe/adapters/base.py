@@ -60,6 +60,11 @@ class LayerSequence:
         restore: ``restore()`` undoes what building the sequence changed on the model (the HF
             adapter turns Hugging Face gradient checkpointing off); the strategy calls it when it
             tears down; ``None``: nothing to undo.
+        prepare_microbatch: ``prepare_microbatch(carry) -> carry`` for one microbatch's carry, on
+            the host after the split and before upload: decisions that depend on the microbatch's
+            data (the HF adapter's attention layout: a microbatch without padding takes the causal
+            path, as the model's own forward on those rows does), made here so that no device op
+            reads a value; ``None``: the split carries are used as they are.
     """
 
     target: nn.Module
@@ -77,6 +82,7 @@ class LayerSequence:
     derived: "DerivedCarry | None" = None
     boundary_bytes: Callable[..., int] | None = None
     restore: Callable[[], None] | None = None
+    prepare_microbatch: Callable[[dict], dict] | None = None
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -124,8 +124,9 @@ def sequence_layout(attention_mask: torch.Tensor | None, position_ids: torch.Ten
     with ``bool(tensor)`` on the device, made once here and carried as data), as the model's own
     forward decides it for the whole batch:
 
-    - ``"padded"``: a 2D ``attention_mask`` with a masked token anywhere in the batch: every
-      microbatch gets the explicit mask (transformers' ``_ignore_causal_mask_sdpa`` keeps it);
+    - ``"padded"``: a 2D ``attention_mask`` with a masked token: the explicit mask (transformers'
+      ``_ignore_causal_mask_sdpa`` keeps it); decided again per microbatch after the split
+      (:func:`microbatch_layout`), so a microbatch without padding takes the causal path;
     - ``"packed"``: no mask, and the position ids restart inside a row (several sequences packed in
       one row, as ``DataCollatorWithFlattening`` makes them: transformers' ``find_packed_sequence_indices``
       finds more than one sequence); only with ``packing``, where the model's forward looks for
@@ -150,6 +151,20 @@ def sequence_layout(attention_mask: torch.Tensor | None, position_ids: torch.Ten
         if find_packed_sequence_indices(position_ids) is not None:
             return "packed"
     return "causal"
+
+
+def microbatch_layout(carry: dict) -> dict:
+    """A microbatch's own attention layout (``LayerSequence.prepare_microbatch``), on the host after
+    the split: a microbatch of a padded batch whose rows hold no padding takes the plain causal path,
+    and the reverse, exactly as transformers' mask builder decides for those rows alone (the model
+    called on the microbatch by hand: sdpa's ``is_causal`` instead of an explicit mask; both give the
+    same attention, their low-precision rounding differs). Packed and prepared (4D) layouts keep the
+    whole batch's decision."""
+    layout, mask = carry.get(LAYOUT_KEY), carry.get("attention_mask")
+    if layout in ("causal", "padded") and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        carry = dict(carry)
+        carry[LAYOUT_KEY] = "causal" if bool(mask.all()) else "padded"
+    return carry
 
 
 def _packed_sequence_ids(position_ids: torch.Tensor, rows: int) -> torch.Tensor:
@@ -223,7 +238,7 @@ class HFDerivedCarry(DerivedCarry):
             layout = carry.get(LAYOUT_KEY)
             if layout is None:  # a carry made without `prepare`: transformers decides on the device
                 return _mask_call(fn, self.config, h, mask, pos if self.mask_positions else None)
-            if layout == "padded":  # the host saw masked tokens: the explicit mask in every microbatch
+            if layout == "padded":  # the host saw masked tokens in this microbatch: the explicit mask
                 return _mask_call(fn, self.config, h, mask, pos, allow_is_causal_skip=False)
             if layout == "packed":  # each token attends within its own packed sequence
                 ids = _packed_sequence_ids(pos, h.shape[0])
@@ -539,4 +554,5 @@ def hf_causal_lm_adapter(model: nn.Module) -> LayerSequence:
         boundary_bytes=lambda kwargs, dtype, num_microbatches=1: boundary_carry_bytes(
             prepare, cfg.hidden_size, kwargs, dtype, num_microbatches),
         restore=restore,
+        prepare_microbatch=microbatch_layout,
     )

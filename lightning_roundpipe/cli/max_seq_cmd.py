@@ -58,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--devices", type=int, default=2, help="devices (default 2)")
     p.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu", help="CPU virtual devices (default) or GPUs")
     p.add_argument("--device-memory-mib", type=float, default=None,
-                   help="memory budget of one device, MiB (required on CPU virtual devices; GPUs: their free memory less a margin of max(512 MiB, 5 %))")
+                   help="memory budget of one device, MiB (required on CPU virtual devices; GPUs: their free memory less a margin of max(512 MiB, 5 %%))")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default devices + 1)")
     p.add_argument("--microbatch-size", type=int, default=1, help="sequences per microbatch (default 1)")
     p.add_argument("--start", type=int, default=16, help="first sequence length tried (default 16)")

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from lightning_roundpipe.runtime.backends.base import Backend, tree_nbytes
-from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError, DeviceMemoryLedger
+from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError, DeviceMemoryLedger, measuring_default
 from lightning_roundpipe.runtime.backends.checker import StreamChecker, StreamCheckError, checking_default
 from lightning_roundpipe.runtime.backends.cpu import CpuBackend, Link
 
@@ -115,6 +115,12 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
         raise ValueError(f"`debug_copy_delay_s` must be a finite number of seconds >= 0, got {debug_copy_delay_s!r}.")
     budgets = per_device_bytes(device_memory_bytes, len(devices))
     kind = devices[0].type if devices else "cpu"
+    # the checking mode's variables are read again on the worker threads: a bad value is refused here,
+    # once, on the calling thread, not once per worker behind a "stream worker stopped" error
+    from lightning_roundpipe.runtime.execution.jitter import active_jitter
+
+    active_jitter()
+    measuring_default()
     if kind == "cpu":
         warn_if_oversubscribed(len(devices))
         checker = StreamChecker() if (checking_default() if check_streams is None else check_streams) else None

@@ -52,8 +52,19 @@ MEASURE_ENV = "LIGHTNING_ROUNDPIPE_MEASURE_DEVICE_MEMORY"
 
 def measuring_default() -> bool:
     """Whether CPU virtual devices without ``device_memory_bytes`` measure their memory anyway
-    (``LIGHTNING_ROUNDPIPE_MEASURE_DEVICE_MEMORY=1``)."""
-    return os.environ.get(MEASURE_ENV, "") not in ("", "0")
+    (``LIGHTNING_ROUNDPIPE_MEASURE_DEVICE_MEMORY``: ``1``/``true`` on, ``0``/``false``/unset off; the
+    peaks are logged as ``roundpipe/device<i>/peak_memory(GiB)``).
+
+    Raises:
+        ValueError: any other value of the variable.
+    """
+    value = os.environ.get(MEASURE_ENV, "").strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("", "0", "false"):
+        return False
+    raise ValueError(f"`{MEASURE_ENV}={os.environ[MEASURE_ENV]}` is not understood; valid values: 1, true, 0, false."
+                     f" HINT: `export {MEASURE_ENV}=1` measures every CPU virtual device's memory without a budget.")
 
 
 @contextlib.contextmanager

@@ -352,6 +352,8 @@ class RoundPipeEngine(HostCalls):
         carry = pytree.tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], carry_spec)
         target = self.batch_statistics.num_microbatches(self.split_num_microbatches or self.num_microbatches)
         mbs, sizes = split_microbatches(carry, target)
+        if seq.prepare_microbatch is not None:  # data-dependent decisions per microbatch, on the host
+            mbs = [seq.prepare_microbatch(mb) for mb in mbs]
         m = len(mbs)
         if m < target and not self._warned_small_batch:
             self._warned_small_batch = True
