@@ -160,16 +160,22 @@ def test_script_runs_measuring_steps_first_within_limits_that_sum_to_its_budget(
 def test_script_goes_on_after_failed_timed_out_and_unscheduled_steps(tmp_path):
     """`python` answers for the steps: the tests pass, parity exits 3, throughput passes, the sanitizer
     hangs until its timeout, and the budget leaves nothing for the later steps. Every one is reported
-    with its exit code; the script ends with its summary and exit 1."""
+    with its exit code; the script ends with its summary and exit 1.
+
+    Budget 40 s: the steps after throughput keep 180/530 of it (13 s), so throughput runs while the
+    script's start (a Python preflight, slow on a loaded machine) took under 17 s; with 20 s it had
+    4 s of slack and was skipped under load. The sanitizer's hang (at most its 30 s limit) then
+    leaves under 10 s, so the pytest steps are not run."""
+    BUDGET_S = 40
     cases = """  *"-m pytest"*) echo "fake pytest: passed"; exit 0 ;;
   *"gpu_check.py parity"*) echo "fake parity: out of tolerance"; exit 3 ;;
   *"gpu_check.py throughput"*) echo "fake throughput"; exit 0 ;;
   *"gpu_check.py sanitizer"*) exec sleep 300 ;;"""
     proc, elapsed, _ = _run_script(tmp_path, timeout=120, cases=cases, GPU_CHECK_ACCELERATOR="cpu",
-                                   GPU_CHECK_SKIP_INSTALL="1", GPU_CHECK_BUDGET_S="20",
+                                   GPU_CHECK_SKIP_INSTALL="1", GPU_CHECK_BUDGET_S=str(BUDGET_S),
                                    GPU_CHECK_STEPS="pytest_logical,parity,throughput,sanitizer,pytest_all")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert elapsed < 20 + 15 + 10  # the budget, the kill grace, the summary
+    assert elapsed < BUDGET_S + 15 + 10  # the budget, the kill grace, the summary
     summary = _summary(tmp_path)
     # the script keeps its own order of steps, whatever the order of GPU_CHECK_STEPS
     steps = [(s["name"], s["status"], s["exit_code"]) for s in summary["steps"]]
