@@ -43,6 +43,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_roundpipe.runtime.backends.checker import env_flag
+
 
 _HOST = threading.local()
 
@@ -58,13 +60,7 @@ def measuring_default() -> bool:
     Raises:
         ValueError: any other value of the variable.
     """
-    value = os.environ.get(MEASURE_ENV, "").strip().lower()
-    if value in ("1", "true"):
-        return True
-    if value in ("", "0", "false"):
-        return False
-    raise ValueError(f"`{MEASURE_ENV}={os.environ[MEASURE_ENV]}` is not understood; valid values: 1, true, 0, false."
-                     f" HINT: `export {MEASURE_ENV}=1` measures every CPU virtual device's memory without a budget.")
+    return env_flag(MEASURE_ENV, "measures every CPU virtual device's memory without a budget")
 
 
 @contextlib.contextmanager

@@ -34,6 +34,26 @@ CHECK_ENV = "LIGHTNING_ROUNDPIPE_CHECK_STREAMS"
 StreamId = tuple[int, str]
 
 
+def env_flag(name: str, hint: str) -> bool:
+    """An on/off environment variable of the checking mode: ``1``/``true`` on, ``0``/``false``/unset off
+    (case and surrounding blanks ignored).
+
+    Args:
+        name: the variable.
+        hint: what setting it does, for the error (``"turns the stream checking mode on"``).
+
+    Raises:
+        ValueError: any other value of the variable.
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true"):
+        return True
+    if value in ("", "0", "false"):
+        return False
+    raise ValueError(f"`{name}={os.environ[name]}` is not understood; valid values: 1, true, 0, false."
+                     f" HINT: `export {name}=1` {hint}.")
+
+
 def checking_default() -> bool:
     """Whether the checking mode is on by default (``LIGHTNING_ROUNDPIPE_CHECK_STREAMS``: ``1``/``true``
     on, ``0``/``false``/unset off).
@@ -41,13 +61,7 @@ def checking_default() -> bool:
     Raises:
         ValueError: any other value of the variable.
     """
-    value = os.environ.get(CHECK_ENV, "").strip().lower()
-    if value in ("1", "true"):
-        return True
-    if value in ("", "0", "false"):
-        return False
-    raise ValueError(f"`{CHECK_ENV}={os.environ[CHECK_ENV]}` is not understood; valid values: 1, true, 0, false."
-                     " HINT: `export LIGHTNING_ROUNDPIPE_CHECK_STREAMS=1` turns the stream checking mode on.")
+    return env_flag(CHECK_ENV, "turns the stream checking mode on")
 
 
 class StreamCheckError(RuntimeError):
