@@ -11,33 +11,15 @@ from torch import nn
 
 from lightning_roundpipe.adapters import make_layer_sequence
 from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
-from _helpers import TokenData, VOCAB
+from _helpers import TokenData, VOCAB, tiny_family_model
 
 TOL = 1e-5
 
 
 def tiny_family(kind: str) -> nn.Module:
     """Tiny random configs that switch each family's peculiarity on (soft-capping, sliding windows,
-    the multipliers) at values where it changes the outputs."""
-    import transformers as tf
-
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64)
-    gemma = dict(head_dim=8, sliding_window=4, final_logit_softcapping=0.1, attn_logit_softcapping=0.05,
-                 layer_types=["sliding_attention", "full_attention", "sliding_attention"])
-    cfgs = {
-        "gemma2": lambda: tf.Gemma2Config(**gemma, **common),
-        "gemma3_text": lambda: tf.Gemma3TextConfig(**gemma, **common),
-        "phi3": lambda: tf.Phi3Config(sliding_window=4, pad_token_id=0, eos_token_id=1, bos_token_id=1, **common),
-        "olmo2": lambda: tf.Olmo2Config(eos_token_id=1, pad_token_id=0, **common),
-        "granite": lambda: tf.GraniteConfig(embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=3.0,
-                                            attention_multiplier=0.3, **common),
-        "olmo": lambda: tf.OlmoConfig(eos_token_id=1, pad_token_id=0, **common),  # no entry: the generic one
-    }
-    cfg = cfgs[kind]()
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return tf.AutoModelForCausalLM.from_config(cfg)
+    the multipliers) at values where it changes the outputs: 3 layers, eager attention."""
+    return tiny_family_model(kind, attention="eager", layers=3)
 
 
 FAMILY_CASES = [("gemma2", 2, 3, True), ("gemma3_text", 3, 3, True), ("phi3", 2, 3, False), ("olmo2", 1, 1, True),

@@ -18,7 +18,7 @@ from torch import nn
 from lightning_roundpipe.adapters import make_layer_sequence
 from lightning_roundpipe.runtime.backends import op_check
 from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
-from _helpers import SEQ, VOCAB, TokenData
+from _helpers import SEQ, VOCAB, TokenData, tiny_family_model
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "olmo",
             "qwen3_moe", "gpt_oss"]
@@ -27,37 +27,7 @@ LAYOUTS = ["padded", "packed", "unpadded"]
 
 def tiny_model(kind: str, attention: str = "sdpa", use_cache: bool = True, layers: int = 4) -> nn.Module:
     """A tiny random causal LM of ``kind`` (fp32) with ``attention`` as its attention implementation."""
-    import transformers as tf
-
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=use_cache)
-    sliding = ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)
-    gemma = dict(head_dim=8, sliding_window=4, final_logit_softcapping=0.1, attn_logit_softcapping=0.05,
-                 layer_types=sliding)
-    configs = {
-        "llama": lambda: tf.LlamaConfig(**common),
-        "qwen2": lambda: tf.Qwen2Config(**common),
-        "qwen3": lambda: tf.Qwen3Config(head_dim=8, **common),
-        "mistral": lambda: tf.MistralConfig(sliding_window=4, **common),
-        "gemma2": lambda: tf.Gemma2Config(**gemma, **common),
-        "gemma3_text": lambda: tf.Gemma3TextConfig(**gemma, **common),
-        "phi3": lambda: tf.Phi3Config(sliding_window=4, pad_token_id=0, eos_token_id=1, bos_token_id=1, **common),
-        "olmo2": lambda: tf.Olmo2Config(eos_token_id=1, pad_token_id=0, **common),
-        "granite": lambda: tf.GraniteConfig(embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=3.0,
-                                            attention_multiplier=0.3, **common),
-        "olmo": lambda: tf.OlmoConfig(eos_token_id=1, pad_token_id=0, **common),  # the generic entry
-        "qwen3_moe": lambda: tf.Qwen3MoeConfig(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-                                               mlp_only_layers=[1], norm_topk_prob=True, head_dim=8,
-                                               output_router_logits=True, router_aux_loss_coef=0.1, **common),
-        "gpt_oss": lambda: tf.GptOssConfig(**{**common, "intermediate_size": 16}, num_local_experts=8,
-                                           num_experts_per_tok=2, sliding_window=4, head_dim=8,
-                                           output_router_logits=True, router_aux_loss_coef=0.1,
-                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    }
-    cfg = configs[kind]()
-    cfg._attn_implementation = "eager" if kind in ("gemma2", "gpt_oss") else attention  # no sdpa path
-    torch.manual_seed(0)
-    return tf.AutoModelForCausalLM.from_config(cfg)
+    return tiny_family_model(kind, attention, use_cache, layers)
 
 
 def packed_positions(rows: int, seed: int = 3) -> torch.Tensor:
