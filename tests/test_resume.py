@@ -86,7 +86,11 @@ def test_resolve_last_without_checkpoint_warns_and_trains_from_scratch(tmp_path:
 
 
 def test_resolve_other_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A path is made absolute against the job's working directory; Lightning's own words pass through."""
+    """A path is made absolute against the job's working directory (outside a Hydra run, as here: the
+    current one; in a run, Hydra's original one); Lightning's own words pass through."""
+    from hydra.core.hydra_config import HydraConfig
+
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # another test may have set one
     monkeypatch.chdir(tmp_path)
     trainer = _Trainer(tmp_path, [])
     assert resolve_ckpt_path(None, trainer) is None
