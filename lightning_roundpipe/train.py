@@ -197,12 +197,69 @@ def _log_lightning_once() -> None:
         logging.getLogger("lightning").removeHandler(console)
 
 
+def resolve_ckpt_path(ckpt_path: Any, trainer: Any) -> str | None:
+    """The checkpoint ``Trainer.fit`` resumes from, for the ``ckpt_path`` key of ``conf/train.yaml``.
+
+    ``None``: none (train from step 0). ``last``: the newest ``*.ckpt`` file (by modification time) in the
+    job's checkpoint folders, the ``dirpath`` of every ``ModelCheckpoint`` among the trainer's callbacks and
+    ``<default_root_dir>/checkpoints`` (``<output_dir>/checkpoints/``): there the job writes
+    ``interrupted-step=<N>.ckpt`` on Ctrl+C or SIGTERM and, with ``callbacks=checkpoint``, ``last.ckpt``.
+    This is Lightning's ``ckpt_path="last"`` (the newest of the last and on-exception checkpoints) for the
+    job's own file names, which Lightning's search (``last*.ckpt`` only) would not find; as in Lightning,
+    none found is a warning and training starts from step 0 (a command that resumes when there is
+    something to resume, e.g. a SLURM job with a fixed ``hydra.run.dir`` that is requeued). Any other
+    value is a path, relative to the working directory the job was started in
+    (``hydra.utils.to_absolute_path``), passed on to Lightning (``best``, ``hpc`` and ``registry`` too).
+
+    Args:
+        ckpt_path: the config value (``str``, ``os.PathLike`` or ``None``).
+        trainer: the ``lightning.pytorch.Trainer`` about to ``fit``.
+
+    Returns:
+        The path for ``Trainer.fit(..., ckpt_path=...)``, or ``None``.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+    if ckpt_path is None:
+        return None
+    if str(ckpt_path) in ("best", "hpc") or str(ckpt_path).startswith("registry"):
+        return str(ckpt_path)  # Lightning's own special values
+    if str(ckpt_path) != "last":
+        return hydra.utils.to_absolute_path(str(ckpt_path))
+    folders = [Path(cb.dirpath) for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    folders.append(Path(trainer.default_root_dir) / "checkpoints")
+    found = {path.resolve() for folder in folders if folder.is_dir() for path in folder.glob("*.ckpt")}
+    if not found:
+        rank_zero_warn(f"`ckpt_path=last`: no checkpoint (`*.ckpt`) in {sorted({str(f) for f in folders})}; training"
+                       " starts from step 0. HINT: to resume an earlier run, run in its folder"
+                       " (`hydra.run.dir=<its output folder>`) or give the file: `'ckpt_path=\"<path>\"'`.")
+        return None
+    newest = max(found, key=lambda path: (path.stat().st_mtime_ns, str(path)))
+    rank_zero_info(f"`ckpt_path=last`: resuming from {newest} (the newest of {len(found)} checkpoint(s)).")
+    return str(newest)
+
+
+def _sigterm_exit(exc: BaseException) -> int:
+    """The exit status of a job that Lightning stopped on SIGTERM (``SIGTERMException``, raised after the
+    ``on_exception`` hooks saved the adapter and checkpoint): the exception's own code where Lightning
+    sets one (it does from Lightning-AI/pytorch-lightning#21623: 143), else 128 + SIGTERM = 143, the
+    status a shell reports for a process that SIGTERM killed. Lightning 2.6 raises it without a code,
+    which Python turns into status 0: a scheduler could not tell a preempted job from a finished one."""
+    import signal
+
+    code = getattr(exc, "code", None)
+    return code if isinstance(code, int) and code != 0 else 128 + int(signal.SIGTERM)
+
+
 def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
     """Build data, module, strategy and trainer from ``cfg``; validate, fit, validate.
 
     The W&B run (if ``logger`` has W&B) is finished when this returns or raises (exit code 1 then).
-    An interrupt during ``fit`` (Ctrl+C) saves the adapter and a checkpoint through the callbacks of
-    ``conf/callbacks/default.yaml``; Lightning then exits the process with status 1.
+    An interrupt during ``fit`` (Ctrl+C, SIGTERM) saves the adapter and a checkpoint through the callbacks
+    of ``conf/callbacks/default.yaml``; Lightning then exits the process with status 1 (Ctrl+C), and a
+    SIGTERM ends it with status 143 (128 + SIGTERM, :func:`_sigterm_exit`). ``cfg.ckpt_path`` (a path,
+    or ``last``: :func:`resolve_ckpt_path`) resumes ``fit`` from a checkpoint.
 
     Args:
         cfg: the composed config (``conf/train.yaml``).
@@ -216,8 +273,10 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
 
     Raises:
         ValueError: if the validation set is empty (no ``val/loss`` logged).
+        SystemExit: with code 143 after a SIGTERM (the checkpoint saved), 1 after Ctrl+C (Lightning's).
     """
     import lightning.pytorch as pl
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     _log_lightning_once()
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -249,7 +308,11 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         print(f"val loss before: {before:.4f}", flush=True)
 
         t = time.perf_counter()
-        trainer.fit(module, datamodule=datamodule)
+        ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), trainer)
+        # the job's checkpoints hold its hyperparameters (a `peft.LoraConfig`, the optimizer's partial), which
+        # `torch.load(weights_only=True)` (torch's default since 2.6) refuses: load them as Lightning's docs say
+        # for a trusted source
+        trainer.fit(module, datamodule=datamodule, **({"ckpt_path": ckpt_path, "weights_only": False} if ckpt_path else {}))
         times["fit_s"] = time.perf_counter() - t
         step = _last_step_metrics(trainer, getattr(datamodule, "tokens_per_batch", None))
 
@@ -275,6 +338,9 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         exit_code = 0
         return {"val_loss_before": before, "val_loss_after": after, **times, "global_step": float(trainer.global_step),
                 **step}
+    except SIGTERMException as exc:
+        exit_code = _sigterm_exit(exc)
+        raise SystemExit(exit_code) from exc
     finally:
         _finish_wandb(trainer.loggers, exit_code)
 

