@@ -80,6 +80,11 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 100 * 2**20 else f"{nbytes / 2**20:.3f} MiB ({nbytes} bytes)"
 
 
+def pool_slots_text(count: int) -> str:
+    """``"one slot"``, ``"2 slots"``: stage weight slots, as the messages of the pools write them."""
+    return "one slot" if count == 1 else f"{count} slots"
+
+
 class DeviceMemoryError(torch.OutOfMemoryError):
     """A CPU virtual device would exceed its ``device_memory_bytes`` budget (a ``RuntimeError``).
 
@@ -94,10 +99,10 @@ class DeviceMemoryError(torch.OutOfMemoryError):
     def __init__(self, device_index: int, where: str, asked_bytes: int, in_use_bytes: int, budget_bytes: int) -> None:
         self.device_index, self.where = device_index, where
         self.asked_bytes, self.in_use_bytes, self.budget_bytes = asked_bytes, in_use_bytes, budget_bytes
-        hint = ("every device holds two slots of the largest stage's weights (the stage computing and the one"
-                " prefetched): make that stage smaller (`forward_stages`/`backward_stages` with fewer layers; a"
-                " single layer cannot be split), or raise `device_memory_bytes` above twice that stage's bytes plus"
-                " the activations." if "weight pool" in where else
+        hint = ("the stage weight pool's slots (named above) are each as large as the largest stage's weights:"
+                " make that stage smaller (`forward_stages`/`backward_stages` with fewer layers; a single layer"
+                " cannot be split), or raise `device_memory_bytes` above those slots plus the activations."
+                if "weight pool" in where else
                 "a stage's weights do not fit: use smaller stages (`forward_stages`/`backward_stages` with fewer"
                 " layers each), or raise `device_memory_bytes`."
                 if "LOAD" in where else
