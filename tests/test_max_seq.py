@@ -187,3 +187,18 @@ def test_largest_fitting_finds_the_threshold(threshold):
 
     assert largest_fitting(fits, limit=1025) == min(threshold, 1025)
     assert len(calls) <= 2 * 11 + 2  # O(log limit) probes
+
+
+def test_cli_out_of_memory_hint_gives_more_room_per_device(capsys):
+    """Not even the first length fits: the HINT names changes that give each device more room (a larger
+    `--device-memory-mib`, at least the planner's peak at 1 token; a smaller microbatch; a lower `--start`),
+    never more devices (each still holds its pool of the largest stage's weights)."""
+    import re
+
+    assert main(["max-seq", "--tiny", "--device-memory-mib", "1", "--microbatch-size", "2", "--start", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--devices" not in err
+    assert "shortest sequence tried (8 tokens) fits 1.0 MiB per device" in err
+    assert "`--microbatch-size 1`" in err and "a lower `--start` (now 8 tokens)" in err
+    peak_mib = float(re.search(r"planner's peak at 1 token is ([0-9.]+) MiB", err).group(1))
+    assert peak_mib > 1.0  # the suggested memory is more than the budget that failed

@@ -76,7 +76,8 @@ def fitting_remedies(given: Any, *, seq_len: int, microbatch_size: int, dtype_by
         current: the plan's own modelled peak, bytes (a device that large is tried, re-planned for it).
 
     Returns:
-        the remedies that fit, each with its modelled peak; empty when no single change fits.
+        the remedies that fit, each with the smallest modelled peak among its fitting partitions (the plan
+        with that change picks the fastest of them); empty when no single change fits.
     """
     memory = given.hardware.memory_bytes
     lower = not stage_memory_given
@@ -107,7 +108,7 @@ def fitting_remedies(given: Any, *, seq_len: int, microbatch_size: int, dtype_by
              ("--no-overlap-batches",), banks=1)
     if stage_memory_given:
         fits("leaving out `--stage-memory-gib` (the per-stage budget is then lowered until a partition fits)", (),
-             lowering=True, dropped=("--stage-memory-gib",))
+             dataclasses.replace(given, stage_memory_bytes=memory // 2), lowering=True, dropped=("--stage-memory-gib",))
     if current is not None:  # a device as large as this plan's peak, re-planned for it (a larger budget cuts larger stages)
         gib = _round_up(current / GiB)
         for _ in range(4):
