@@ -362,3 +362,18 @@ def test_one_per_stage_budget_each_labelled(tmp_path, capsys):
             " with two pool banks fits") in hardware
     assert f"within the {given} per-stage budget, half the device memory, before the lowering above" in longest
     assert "an upper bound" in longest and "two pool banks of stage weight slots" in out
+
+
+def test_a_layer_over_the_stage_budget_names_changes_that_fit(tmp_path, capsys):
+    """A single layer over the per-stage budget (no partition exists): exit 2 with the layer's bytes, and a HINT
+    naming only changes whose plan fits. Oracle: `roundpipe plan` with each named change exits 0."""
+    import re
+
+    argv = _tiny_plan(tmp_path, "--device-memory-gib", "0.03")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "alone needs 16.6 MiB" in err and "HINT: each of these fits by the same memory model:" in err
+    changes = re.findall(r"`(--lora|--device-memory-gib [0-9.]+)`", err.split("HINT")[1])
+    assert "--lora" in changes and any(c.startswith("--device-memory-gib") for c in changes)
+    for change in changes:
+        assert main(argv + change.split()) == 0, change

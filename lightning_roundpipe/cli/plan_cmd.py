@@ -28,7 +28,7 @@ from dataclasses import field as dc_field
 from typing import Callable, Sequence
 
 from lightning_roundpipe.cli import mixed_plan
-from lightning_roundpipe.cli.plan_fit import budget_label, fit_lines, fitting_remedies
+from lightning_roundpipe.cli.plan_fit import budget_label, fit_lines, fitting_remedies, remedies_hint
 from lightning_roundpipe.cli.plan_table import stage_table
 from lightning_roundpipe.partition.costmodel import (KNOWN_MODEL_TYPES, CostModel, LoRASpec, ModelledProfiles, ModelShape,
                                                    model_profiles)
@@ -339,8 +339,14 @@ def make_report(args: argparse.Namespace) -> PlanReport:
     mp = modelled(args.seq_len, args.microbatch_size)
     banks = overlap_banks(optimizer, accumulate, given.overlap_batches)
     layer_budget = budget  # the longest sequence: every single layer within the given per-stage budget
-    candidates, budget = fitting_candidates(mp, D, M, budget, method, banks, args.dtype_bytes, hw.memory_bytes,
-                                            lower=args.stage_memory_gib is None)
+    remedy_args = dict(seq_len=args.seq_len, microbatch_size=args.microbatch_size, dtype_bytes=args.dtype_bytes,
+                       lora_rank=args.lora_rank, stage_memory_given=args.stage_memory_gib is not None)
+    try:
+        candidates, budget = fitting_candidates(mp, D, M, budget, method, banks, args.dtype_bytes, hw.memory_bytes,
+                                                lower=args.stage_memory_gib is None)
+    except ValueError as error:  # a single layer over the per-stage budget: name the changes that fit
+        raise ValueError(str(error).split(" HINT:")[0] + " "
+                         + remedies_hint(fitting_remedies(given, **remedy_args, current=None))) from None
     optimizer_bytes = optimizer_step_bytes(model_param_counts(mp)[1])
     choices = choose_modes(candidates, mp, hw, D, M, optimizer_bytes, accumulate)
     chosen = choices.get(optimizer)
@@ -350,9 +356,7 @@ def make_report(args: argparse.Namespace) -> PlanReport:
     fwd, bwd = schedule_ranges(part)
     eplan = build_roundpipe_plan(build_stages(fwd, bwd, fused_tail=True), D, M, microbatches_per_round=per_round)
     peak = modelled_peak(mp, stages, D, M, banks, args.dtype_bytes)
-    remedies = () if peak <= hw.memory_bytes else tuple(fitting_remedies(
-        given, seq_len=args.seq_len, microbatch_size=args.microbatch_size, dtype_bytes=args.dtype_bytes,
-        lora_rank=args.lora_rank, stage_memory_given=args.stage_memory_gib is not None, current=peak))
+    remedies = () if peak <= hw.memory_bytes else tuple(fitting_remedies(given, **remedy_args, current=peak))
     if chosen is None:
         step_s, idle, predictor = _predict(eplan, mp, hw)
     else:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Sequence
 
 from lightning_roundpipe.partition.costmodel import LoRASpec
 from lightning_roundpipe.partition.fitting import fitting_candidates, modelled_peak
 from lightning_roundpipe.partition.memory import overlap_banks
-from lightning_roundpipe.partition.partitioner import describe_stages
+from lightning_roundpipe.partition.partitioner import describe_stages, min_stage_memory_bytes
 from lightning_roundpipe.partition.units import format_bytes
 
 GiB = 2**30
@@ -73,7 +73,8 @@ def fitting_remedies(given: Any, *, seq_len: int, microbatch_size: int, dtype_by
         seq_len, microbatch_size, dtype_bytes: the plan's workload and compute dtype.
         lora_rank: the adapters' rank a `--lora` remedy uses.
         stage_memory_given: whether `--stage-memory-gib` was given (then the budget is not lowered).
-        current: the plan's own modelled peak, bytes (a device that large is tried, re-planned for it).
+        current: the plan's own modelled peak, bytes (a device that large is tried, re-planned for it);
+            ``None``: a single layer exceeds the per-stage budget (a device twice that layer's need is tried).
 
     Returns:
         the remedies that fit, each with the smallest modelled peak among its fitting partitions (the plan
@@ -109,7 +110,10 @@ def fitting_remedies(given: Any, *, seq_len: int, microbatch_size: int, dtype_by
     if stage_memory_given:
         fits("leaving out `--stage-memory-gib` (the per-stage budget is then lowered until a partition fits)", (),
              dataclasses.replace(given, stage_memory_bytes=memory // 2), lowering=True, dropped=("--stage-memory-gib",))
-    if current is not None:  # a device as large as this plan's peak, re-planned for it (a larger budget cuts larger stages)
+    if current is None:  # a single layer over the budget: from a device whose half holds the largest layer
+        mp = given.modelled(seq_len, microbatch_size, dtype_bytes)
+        current = 2 * min_stage_memory_bytes(mp.profiles, mp.saved_activation_bytes)
+    if current:  # a device as large as this plan's peak, re-planned for it (a larger budget cuts larger stages)
         gib = _round_up(current / GiB)
         for _ in range(4):
             larger = dataclasses.replace(given, hardware=dataclasses.replace(given.hardware, memory_bytes=int(gib * GiB)),
@@ -155,11 +159,13 @@ def fit_lines(r: Any) -> list[str]:
            f" {format_bytes(memory, exact=True)}"
     lines = [peak + (" (`--stage-memory-gib` given: the per-stage budget is not lowered)" if r.stage_memory_given else
                      ", with the per-stage budget lowered as far as a single layer allows")]
-    if r.remedies:
-        lines.append("HINT: each of these fits by the same memory model: "
-                     + "; ".join(remedy.describe() for remedy in r.remedies) + ".")
-    else:
-        lines.append("HINT: no single change tried fits (LoRA, a smaller microbatch, a shorter sequence, one pool"
-                     " bank, devices with more memory); combine them.")
-    return lines
+    return [*lines, remedies_hint(r.remedies)]
+
+
+def remedies_hint(remedies: Sequence[Remedy]) -> str:
+    """The HINT naming ``remedies`` (the changes that fit), or saying that no single change tried fits."""
+    if remedies:
+        return "HINT: each of these fits by the same memory model: " + "; ".join(r.describe() for r in remedies) + "."
+    return ("HINT: no single change tried fits (LoRA, a smaller microbatch, a shorter sequence, one pool bank, devices"
+            " with more memory); combine them.")
 
