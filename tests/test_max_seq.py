@@ -196,7 +196,14 @@ def test_cli_out_of_memory_hint_gives_more_room_per_device(capsys):
     import re
 
     assert main(["max-seq", "--tiny", "--device-memory-mib", "1", "--microbatch-size", "2", "--start", "8"]) == 2
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err, out = captured.err, captured.out
+    # the measured error (the stage weight pool): its HINT agrees with the slots it names; one budget for all
+    # devices, so nothing about devices of unequal memory
+    assert re.search(r"stage weight pool, before any LOAD: (one slot|\d+ slots) of \d+ bytes", out)
+    assert "HINT: the stage weight pool's slots (named above)" in out and "two slots" not in out
+    assert "dispatch='weighted'" not in out
+    assert "dispatch='weighted'" in str(DeviceMemoryError(0, "stage 1, F(1, mb 0)", 10, 5, 12, unequal_budgets=True))
     assert "--devices" not in err
     assert "shortest sequence tried (8 tokens) fits 1.0 MiB per device" in err
     assert "`--microbatch-size 1`" in err and "a lower `--start` (now 8 tokens)" in err
