@@ -105,8 +105,7 @@ def test_cli_requires_a_budget_on_cpu(capsys):
 @pytest.mark.parametrize("argv,match", [
     (["--model", "/nonexistent", "--device-memory-mib", "96"], "no Hugging Face config at /nonexistent"),
     (["--tiny", "--accelerator", "cuda"], "needs 2 CUDA devices"),
-    (["--tiny", "--device-memory-mib", "1"], "not even the shortest sequence"),
-])
+])  # not even the shortest sequence: test_cli_out_of_memory_hint_gives_more_room_per_device
 def test_cli_errors_are_explained(argv, match, capsys):
     import torch
 
