@@ -56,9 +56,24 @@ MIN_RELATIVE_SPEED = 0.01
 """The slowest CPU virtual device accepted, relative to the fastest (``cpu_device_speeds``)."""
 
 
-def _whole(value: Any) -> Any:
-    """``value`` as an int when it is a float holding a whole number (``1e9`` from a command line)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+def _bytes(name: str, value: Any, hint: str) -> int:
+    """A size argument in bytes as an int: an int (numpy's too) or, deliberately, a float holding a whole
+    number (``1.5e9``, as a command line or a YAML file writes a large size); every size argument of the
+    strategy (``chunk_bytes``, ``device_memory_bytes``, ``DataParallel.bucket_bytes``) takes the same.
+
+    Raises:
+        TypeError: not a number (a ``str``, a ``bool``, ``None``).
+        ValueError: a float that is no whole number of bytes, or a value <= 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be an int of bytes (or a float holding a whole number, e.g. 1.5e9), got"
+                        f" {value!r} ({type(value).__name__}). HINT: {hint}.")
+    if not _is_int(value) and not (math.isfinite(value) and float(value).is_integer()):
+        raise ValueError(f"`{name}` must be a whole number of bytes (an int, or a float such as 1.5e9), got {value!r}."
+                         f" HINT: {hint}.")
+    if not value > 0:
+        raise ValueError(f"`{name}` must be a positive number of bytes, got {value!r}. HINT: {hint}.")
+    return int(value)
 
 
 MIN_LINK_BYTES_PER_S = 1e6
@@ -110,7 +125,7 @@ class DataParallel:
             ``default_pg_timeout``). A process that exits or is killed closes its connections, so
             its peers fail at their next collective within seconds whatever this is.
         bucket_bytes: largest all-reduce bucket, bytes of fp32 gradients (default 25 MiB, as
-            DistributedDataParallel's ``bucket_cap_mb``).
+            DistributedDataParallel's ``bucket_cap_mb``); an int, or a float holding a whole number.
         overlap: start a bucket's all-reduce as soon as its layers' gradients are complete, while
             the backward stages of earlier layers still run (transparent path; fused path on the
             first backward of an optimizer step; not with ``optimizer="async"``); ``False``: all
@@ -132,9 +147,8 @@ class DataParallel:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"`DataParallel(timeout_s=...)` must be a positive number of seconds, got {self.timeout_s!r}."
                              " HINT: 1800 (torch's default); a few seconds only in tests.")
-        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
-            raise ValueError(f"`DataParallel(bucket_bytes=...)` must be a positive int, got {self.bucket_bytes!r}."
-                             " HINT: 25 * 2**20 (25 MiB, as DDP).")
+        object.__setattr__(self, "bucket_bytes", _bytes("DataParallel(bucket_bytes=...)", self.bucket_bytes,
+                                                        hint="25 * 2**20 (25 MiB, as DDP)"))
         for name in ("overlap", "global_num_items"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`DataParallel({name}=...)` must be a bool, got {getattr(self, name)!r}.")
@@ -184,8 +198,9 @@ class RoundPipeConfig:
     """Like ``forward_stages``, in execution order (the tail, i.e. the last layers, first); default ``None``."""
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """``int > 0``, bytes; default 67108864 (64 MiB). Largest weight upload chunk; activation uploads go
-    between chunks (paper section 3.3)."""
+    """``int > 0``, bytes (a float holding a whole number, ``6.4e7``, is taken as that int; any other float
+    raises ``ValueError``, a non-number ``TypeError``); default 67108864 (64 MiB). Largest weight upload chunk;
+    activation uploads go between chunks (paper section 3.3)."""
 
     microbatches_per_round: int | None = None
     """``int > 0`` or ``None``, microbatches; default ``None``: one round, every stage loaded once per
@@ -225,8 +240,9 @@ class RoundPipeConfig:
     cost of some host time per op."""
 
     device_memory_bytes: int | tuple[int, ...] | None = None
-    """``int > 0``, a list of them (one per device: devices of unequal memory) or ``None``, bytes; default
-    ``None``: unlimited on CPU virtual devices, the GPU's memory on CUDA. Memory of one device. CPU virtual
+    """``int > 0``, a list of them (one per device: devices of unequal memory) or ``None``, bytes (a float
+    holding a whole number, ``1.5e9`` as a command line writes it, is taken as that int; any other float raises
+    ``ValueError``, a non-number ``TypeError``); default ``None``: unlimited on CPU virtual devices, the GPU's memory on CUDA. Memory of one device. CPU virtual
     devices enforce it: a step that would hold more on a device (weights, saved activations, per-op outputs)
     raises ``DeviceMemoryError`` (a ``torch.OutOfMemoryError``) naming the stage, the bytes asked and the
     budget. On GPUs it replaces the device's total memory in the automatic partition's per-stage budget
@@ -322,7 +338,7 @@ class RoundPipeConfig:
                              " HINT: backward_stages=[(3, 6), (0, 3)] lists the tail first.")
         object.__setattr__(self, "forward_stages", fwd)
         object.__setattr__(self, "backward_stages", bwd)
-        _check_positive("chunk_bytes", self.chunk_bytes, integer=True, hint="e.g. 64 * 2**20 (64 MiB)")
+        object.__setattr__(self, "chunk_bytes", _bytes("chunk_bytes", self.chunk_bytes, hint="e.g. 64 * 2**20 (64 MiB)"))
         if self.microbatches_per_round is not None:
             _check_positive("microbatches_per_round", self.microbatches_per_round, integer=True,
                             hint="e.g. the number of devices")
@@ -340,19 +356,17 @@ class RoundPipeConfig:
                             " HINT: None follows LIGHTNING_ROUNDPIPE_CHECK_STREAMS.")
         if isinstance(self.device_memory_bytes, Sequence) and not isinstance(self.device_memory_bytes, (str, bytes)):
             per_device = tuple(self.device_memory_bytes)
-            per_device = tuple(_whole(v) for v in per_device)
             if not per_device:
                 raise ValueError("`device_memory_bytes` is an empty list. HINT: one int (bytes) per device, one int"
                                  " for all devices, or None.")
-            for index, value in enumerate(per_device):
-                _check_positive(f"device_memory_bytes[{index}]", value, integer=True,
-                                hint="one positive int (bytes) per device, e.g. [256 * 2**20, 64 * 2**20]")
-            object.__setattr__(self, "device_memory_bytes", tuple(int(v) for v in per_device))
+            object.__setattr__(self, "device_memory_bytes", tuple(
+                _bytes(f"device_memory_bytes[{index}]", value,
+                       hint="one positive int (bytes) per device, e.g. [256 * 2**20, 64 * 2**20]")
+                for index, value in enumerate(per_device)))
         elif self.device_memory_bytes is not None:
-            object.__setattr__(self, "device_memory_bytes", _whole(self.device_memory_bytes))
-            _check_positive("device_memory_bytes", self.device_memory_bytes, integer=True,
-                            hint="e.g. 67108864 (64 MiB) per device, or one int per device")
-            object.__setattr__(self, "device_memory_bytes", int(self.device_memory_bytes))
+            object.__setattr__(self, "device_memory_bytes", _bytes(
+                "device_memory_bytes", self.device_memory_bytes,
+                hint="e.g. 67108864 (64 MiB) per device, or one int per device"))
         speeds = self.cpu_device_speeds
         if speeds is not None:
             if isinstance(speeds, (str, bytes)) or not isinstance(speeds, Sequence) or not speeds:

@@ -224,6 +224,90 @@ def test_weights_that_do_not_fit_get_a_hint_about_stages():
 
     run = trainer(lightning_roundpipe.RoundPipeStrategy(num_microbatches=2, partition="default",
                                                         device_memory_bytes=1000), devices=2, max_steps=1)
-    with pytest.raises(DeviceMemoryError, match=r"LOAD.*largest stage.*HINT: every device holds two slots of the largest"
-                                                r" stage's weights .*: make that stage smaller"):
+    with pytest.raises(DeviceMemoryError, match=r"LOAD.*2 slots of .*largest stage.*HINT: this device holds 2 slots of the"
+                                                r" largest stage's weights .*: make that stage smaller"):
         run.fit(MLPModule(scheduler=False), loader(VectorData()))
+
+
+def test_the_automatic_recut_names_layers_as_the_stage_table_and_prints_small_sizes():
+    """The automatic partition's error for a layer over the per-stage budget names the layer as the stage
+    table does (`2:Linear`, the sequence's `layer_names`, not `layer2`) and prints a small model's bytes in a
+    unit that shows them (KiB here, never `0.00 GiB`). Oracle: the layer sequence's own names and sizes."""
+    from lightning_roundpipe.partition import auto_partition
+
+    seen = {}
+
+    class Keep(L.Callback):
+        def on_train_end(self, trainer, module):
+            engine = trainer.strategy.engine
+            seen["profiles"], seen["names"] = engine.measured_profiles, list(engine.seq.layer_names)
+
+    run = trainer(lightning_roundpipe.RoundPipeStrategy(num_microbatches=2, partition="auto", profile_steps=2),
+                  devices=2, max_steps=3, callbacks=[Keep()])
+    run.fit(MLPModule(scheduler=False), loader(VectorData()))
+    profiles, names = seen["profiles"], seen["names"]
+    assert [p.name for p in profiles] == names and names[2] == "2:Linear"
+    with pytest.raises(ValueError) as info:
+        auto_partition(profiles, 2, 12_000)  # Linear(32, 32): 4224 bytes of weights, as many of gradients
+    message = str(info.value)
+    assert "Layer 2 (`2:Linear`) alone needs" in message and "layer2" not in message
+    assert "0.00 GiB" not in message and "weights 4.12 KiB" in message and "(12,000 bytes)" in message
+
+
+@pytest.mark.parametrize("name,value", [("device_memory_bytes", 1.5e9), ("chunk_bytes", 6.4e7)])
+def test_size_arguments_take_a_whole_float_as_its_int_and_refuse_others(name, value):
+    """Every size argument (bytes) takes a float holding a whole number (`1.5e9`, as a command line writes it) as
+    that int, deliberately and documented; a fractional float is a ValueError saying so, a non-number a TypeError
+    (Lightning's style). Oracle: the int the float holds."""
+    from lightning_roundpipe.config import DataParallel
+
+    assert getattr(lightning_roundpipe.RoundPipeStrategy(**{name: value}), name) == int(value)
+    assert type(getattr(lightning_roundpipe.RoundPipeStrategy(**{name: value}), name)) is int
+    with pytest.raises(ValueError, match=rf"`{name}` must be a whole number of bytes.*HINT"):
+        lightning_roundpipe.RoundPipeStrategy(**{name: value + 0.5})
+    for bad in ("1e9", True, None if name == "chunk_bytes" else [1e9, "x"]):
+        with pytest.raises(TypeError, match=rf"`{name}(\[1\])?` must be an int of bytes \(or a float holding a whole"):
+            lightning_roundpipe.RoundPipeStrategy(**{name: bad})
+    assert lightning_roundpipe.RoundPipeStrategy(device_memory_bytes=[1e9, 2**30]).device_memory_bytes == (10**9, 2**30)
+    assert DataParallel(bucket_bytes=2.5e7).bucket_bytes == 25_000_000
+    with pytest.raises(ValueError, match=r"bucket_bytes.*whole number"):
+        DataParallel(bucket_bytes=2.5e7 + 0.5)
+    with pytest.raises(TypeError, match=r"bucket_bytes.*int of bytes"):
+        DataParallel(bucket_bytes="25MB")
+
+
+def test_pool_messages_say_the_slots_that_were_reserved():
+    """The memory check's error names the stage weight slots the plan reserves (`pool_slots`): one slot when
+    each device runs one stage (the whole model as one fused stage), two otherwise; its HINT says the same count
+    and suggests only what applies (`partition='auto'` unless it is automatic already, `overlap_batches=False`
+    only with two pool banks). Oracle: the error's own `peak.slots`, from the program's slot assignment."""
+    from lightning_roundpipe.partition.memory import DevicePeak
+    from lightning_roundpipe.runtime.tuning.device_memory import PlanMemoryError
+
+    one = dict(num_microbatches=2, device_memory_bytes=1000, forward_stages=[(0, 7)], backward_stages=[(0, 7)])
+    with pytest.raises(PlanMemoryError) as info:
+        trainer(lightning_roundpipe.RoundPipeStrategy(**one), devices=2, max_steps=1).fit(
+            MLPModule(scheduler=False), loader(VectorData()))
+    message = str(info.value)
+    assert info.value.peak.slots == 1
+    assert "one pool bank with one slot of" in message and "HINT: this device holds one slot of the largest" in message
+    assert "two slots" not in message and "slot(s)" not in message and "overlap_batches=False" not in message
+    peak = DevicePeak(device_index=1, peak_bytes=900, pool_bytes=800, working_bytes=100, stage_index=3,
+                      parts={"stage weights": 800}, pool_stage_index=3, slots=2, slot_bytes=200)
+    two_banks = str(PlanMemoryError(peak, 500, "stage 3", banks=2, pool_stage="stage 3", auto_partition=False))
+    assert "two pool banks (the overlapped modes), each with 2 slots of 200 bytes" in two_banks
+    assert "holds 2 slots of the largest stage's weights per bank (the stage computing and the one prefetched)" in two_banks
+    assert "`partition='auto'`" in two_banks and "`overlap_batches=False` keeps one pool bank" in two_banks
+    automatic = str(PlanMemoryError(peak, 500, "stage 3", banks=1, pool_stage="stage 3", auto_partition=True))
+    assert "partition='auto'" not in automatic and "overlap_batches" not in automatic
+
+
+def test_out_of_memory_hints_suggest_only_what_applies():
+    """A GPU out-of-memory error in an op: its HINT suggests `partition='auto'` only when the partition is not
+    automatic already, and claims no slot count it does not know."""
+    from lightning_roundpipe.runtime.execution.errors import oom_hint
+
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert "`partition='auto'`" in oom_hint(error, auto_partition=False)
+    assert "partition='auto'" not in oom_hint(error, auto_partition=True) and "forward_stages" in oom_hint(error, True)
+    assert "two slots" not in oom_hint(error)

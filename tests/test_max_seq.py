@@ -105,8 +105,7 @@ def test_cli_requires_a_budget_on_cpu(capsys):
 @pytest.mark.parametrize("argv,match", [
     (["--model", "/nonexistent", "--device-memory-mib", "96"], "no Hugging Face config at /nonexistent"),
     (["--tiny", "--accelerator", "cuda"], "needs 2 CUDA devices"),
-    (["--tiny", "--device-memory-mib", "1"], "not even the shortest sequence"),
-])
+])  # not even the shortest sequence: test_cli_out_of_memory_hint_gives_more_room_per_device
 def test_cli_errors_are_explained(argv, match, capsys):
     import torch
 
@@ -187,3 +186,25 @@ def test_largest_fitting_finds_the_threshold(threshold):
 
     assert largest_fitting(fits, limit=1025) == min(threshold, 1025)
     assert len(calls) <= 2 * 11 + 2  # O(log limit) probes
+
+
+def test_cli_out_of_memory_hint_gives_more_room_per_device(capsys):
+    """Not even the first length fits: the HINT names changes that give each device more room (a larger
+    `--device-memory-mib`, at least the planner's peak at 1 token; a smaller microbatch; a lower `--start`),
+    never more devices (each still holds its pool of the largest stage's weights)."""
+    import re
+
+    assert main(["max-seq", "--tiny", "--device-memory-mib", "1", "--microbatch-size", "2", "--start", "8"]) == 2
+    captured = capsys.readouterr()
+    err, out = captured.err, captured.out
+    # the measured error (the stage weight pool): its HINT agrees with the slots it names; one budget for all
+    # devices, so nothing about devices of unequal memory
+    assert re.search(r"stage weight pool, before any LOAD: (one slot|\d+ slots) of \d+ bytes", out)
+    assert "HINT: the stage weight pool's slots (named above)" in out and "two slots" not in out
+    assert "dispatch='weighted'" not in out
+    assert "dispatch='weighted'" in str(DeviceMemoryError(0, "stage 1, F(1, mb 0)", 10, 5, 12, unequal_budgets=True))
+    assert "--devices" not in err
+    assert "shortest sequence tried (8 tokens) fits 1.0 MiB per device" in err
+    assert "`--microbatch-size 1`" in err and "a lower `--start` (now 8 tokens)" in err
+    peak_mib = float(re.search(r"planner's peak at 1 token is ([0-9.]+) MiB", err).group(1))
+    assert peak_mib > 1.0  # the suggested memory is more than the budget that failed

@@ -194,8 +194,8 @@ def test_single_layer_over_budget_names_layer_and_numbers():
     with pytest.raises(ValueError) as e:
         auto_partition(profiles + [big], 4, stage_memory_bytes=8 * 2**30)
     msg = str(e.value)
-    assert "Layer 5" in msg and "`lm_head`" in msg and "`stage_memory_bytes` = 8.00 GiB" in msg and "HINT" in msg
-    assert "30.00 GiB" in msg  # weights + accumulated gradients + the fresh gradient of the next microbatch
+    assert "Layer 5" in msg and "`lm_head`" in msg and "`stage_memory_bytes` = 8 GiB (8,589,934,592 bytes)" in msg and "HINT" in msg
+    assert "needs 30 GiB" in msg  # weights + accumulated gradients + the fresh gradient of the next microbatch
 
 
 def test_bad_arguments():

@@ -47,7 +47,7 @@ def test_acceptance_runs_in_seconds_under_2gib_rss():
     assert elapsed < 60, elapsed
     out = proc.stdout
     for needle in ("Qwen3-32B", "forward", "fused", "backward", "step | dev0", "tokens/s", "idle per device (%)",
-                   "peak device memory", "longest sequence that fits"):
+                   "peak device memory", "longest sequence a stage can hold"):
         assert needle in out, needle
 
 
@@ -184,14 +184,14 @@ def test_longest_sequence_at_the_search_bound_says_at_least(tmp_path, monkeypatc
                "--grid-rows", "4"])
     out = capsys.readouterr().out
     assert rc == 0
-    line = next(ln for ln in out.splitlines() if ln.startswith("longest sequence that fits"))
+    line = next(ln for ln in out.splitlines() if ln.startswith("longest sequence a stage can hold"))
     assert "at least 4,096 tokens at microbatch size 4" in line and "the search stops at 4,096 tokens" in line
     # below the bound: an exact figure
     r = plan_cmd.make_report(parse(["plan", "--model", str(tmp_path), "--devices", "2", "--seq-len", "64",
                                     "--device-memory-gib", "0.25"]))
     assert 0 < r.max_seq_len < r.max_seq_len_bound
     text = plan_cmd.format_report(r)
-    assert f"fits: {r.max_seq_len:,} tokens" in text and "at least" not in text
+    assert f"hold: {r.max_seq_len:,} tokens" in text and "at least" not in text
 
 
 def test_optimizer_modes_side_by_side(capsys):
@@ -288,3 +288,92 @@ def test_plan_flags_out_of_range_say_what_to_do(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), "--devices", "1", "--grid-rows", "2"]) == 0
     out = capsys.readouterr().out
     assert "hardware: 1 device x 24 GiB" in out and "model_type `bert` is not one the cost model knows" in out
+
+
+TINY = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024, "_name_or_path": "tiny-llama"}
+
+
+def _tiny_plan(tmp_path, *flags: str) -> list[str]:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    return ["plan", "--model", str(tmp_path), "--devices", "2", "--seq-len", "128", "--microbatch-size", "1",
+            "--grid-rows", "1", *flags]
+
+
+def _with(argv: list[str], remedy) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in remedy.dropped:
+            skip = True
+        else:
+            out.append(arg)
+    return out + list(remedy.flags)
+
+
+@pytest.mark.parametrize("flags", [("--device-memory-gib", "0.05"),
+                                   ("--device-memory-gib", "0.1", "--optimizer", "async"),
+                                   ("--device-memory-gib", "0.105", "--optimizer", "async", "--stage-memory-gib", "0.05")])
+def test_a_plan_that_does_not_fit_exits_1_and_names_only_changes_that_fit(tmp_path, capsys, flags):
+    """Full fine-tuning whose modelled peak exceeds the device (the per-stage budget lowered as far as a single
+    layer admits): exit 1, the reason on stderr, and a HINT naming only changes that fit. Oracle: `roundpipe plan`
+    itself with each named change exits 0 (its plan fits), and a halved microbatch or sequence that does not fit is
+    not named."""
+    argv = _tiny_plan(tmp_path, *flags)
+    report = plan_cmd.make_report(parse(argv))
+    assert not report.fits and report.remedies
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "ERROR: the plan does not fit" in captured.out and "the plan does not fit" in captured.err
+    assert "HINT: each of these fits" in captured.err and "`--lora`" in captured.err
+    named = {remedy.flags[:1] or remedy.dropped for remedy in report.remedies}
+    if "--stage-memory-gib" in flags:  # without it the budget is lowered until a partition fits
+        assert ("--stage-memory-gib",) in named and "leaving out `--stage-memory-gib`" in captured.err
+    else:  # lowering it cannot help: it is lowered already
+        assert "--stage-memory-gib" not in captured.err.split("HINT")[1]
+    if "async" in flags:
+        assert ("--no-overlap-batches",) in named  # one pool bank instead of two
+    for remedy in report.remedies:
+        assert main(_with(argv, remedy)) == 0, remedy
+        changed = plan_cmd.make_report(parse(_with(argv, remedy)))
+        assert changed.fits and changed.peak_device_memory_bytes <= changed.hardware.memory_bytes
+    capsys.readouterr()
+    for flag, value in (("--seq-len", "64"),):  # the halved sequence: not named, and indeed does not fit
+        if (flag,) not in named:
+            assert main(argv + [flag, value]) == 1
+
+
+def test_one_per_stage_budget_each_labelled(tmp_path, capsys):
+    """With two pool banks (`--optimizer async`) the stages are cut with a budget lowered from half the device
+    memory; the longest sequence is searched against the budget before the lowering. Both figures are printed
+    with where they come from, so the user sees why they differ."""
+    from lightning_roundpipe.partition.units import format_bytes
+
+    argv = _tiny_plan(tmp_path, "--device-memory-gib", "0.105", "--optimizer", "async")
+    r = plan_cmd.make_report(parse(argv))
+    assert r.fits and r.banks == 2 and r.stage_memory_bytes < r.layer_budget_bytes
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    hardware = next(line for line in out.splitlines() if line.startswith("hardware:"))
+    longest = next(line for line in out.splitlines() if line.startswith("longest sequence"))
+    given, cut = format_bytes(r.layer_budget_bytes), format_bytes(r.stage_memory_bytes)
+    assert (f"per-stage memory budget {cut} (lowered from {given}, half the device memory, until the modelled peak"
+            " with two pool banks fits") in hardware
+    assert f"within the {given} per-stage budget, half the device memory, before the lowering above" in longest
+    assert "an upper bound" in longest and "two pool banks of stage weight slots" in out
+
+
+def test_a_layer_over_the_stage_budget_names_changes_that_fit(tmp_path, capsys):
+    """A single layer over the per-stage budget (no partition exists): exit 2 with the layer's bytes, and a HINT
+    naming only changes whose plan fits. Oracle: `roundpipe plan` with each named change exits 0."""
+    import re
+
+    argv = _tiny_plan(tmp_path, "--device-memory-gib", "0.03")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "alone needs 16.6 MiB" in err and "HINT: each of these fits by the same memory model:" in err
+    changes = re.findall(r"`(--lora|--device-memory-gib [0-9.]+)`", err.split("HINT")[1])
+    assert "--lora" in changes and any(c.startswith("--device-memory-gib") for c in changes)
+    for change in changes:
+        assert main(argv + change.split()) == 0, change

@@ -133,7 +133,7 @@ def test_engine_recut_table_row_is_what_the_stage_uploads(monkeypatch):
             def end_step(self):
                 pass
 
-            def profiles(self, param_bytes, grad_bytes):
+            def profiles(self, param_bytes, grad_bytes, names=None):
                 return [LayerProfile(forward_s=1e-3, backward_s=2e-3, param_bytes=p, activation_bytes=0,
                                      trainable_param_bytes=g) for p, g in zip(param_bytes, grad_bytes)]
 

@@ -179,6 +179,19 @@ def format_report(r: MaxSeqReport) -> str:
     return "\n".join(lines)
 
 
+def no_fit_hint(r: MaxSeqReport, args: argparse.Namespace) -> str:
+    """Why not even the first sequence tried ran, and the changes that give each device more room (more
+    devices do not: every device holds its pool of the largest stage's weights whatever their number)."""
+    changes = [f"raise `--device-memory-mib` (the planner's peak at 1 token is {r.planned_peak_bytes / MiB:.1f} MiB"
+               " a device)"]
+    if args.microbatch_size > 1:
+        changes.append("`--microbatch-size 1`")
+    if args.start > 1:
+        changes.append(f"a lower `--start` (now {args.start} tokens)")
+    return (f"not even the shortest sequence tried ({args.start} tokens) fits {r.device_memory_bytes / MiB:.1f} MiB"
+            f" per device. HINT: {', or '.join(changes)}.")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         report = make_report(args)
@@ -187,7 +200,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(format_report(report))
     if report.measured == 0:
-        print("roundpipe max-seq: error: not even the shortest sequence tried fits the device memory."
-              " HINT: raise `--device-memory-mib` or add `--devices`.", file=sys.stderr)
+        print(f"roundpipe max-seq: error: {no_fit_hint(report, args)}", file=sys.stderr)
         return 2
     return 0

@@ -28,6 +28,8 @@ from dataclasses import field as dc_field
 from typing import Callable, Sequence
 
 from lightning_roundpipe.cli import mixed_plan
+from lightning_roundpipe.cli.plan_fit import budget_label, fit_lines, fitting_remedies, remedies_hint
+from lightning_roundpipe.cli.plan_table import stage_table
 from lightning_roundpipe.partition.costmodel import (KNOWN_MODEL_TYPES, CostModel, LoRASpec, ModelledProfiles, ModelShape,
                                                    model_profiles)
 from lightning_roundpipe.partition.partitioner import (
@@ -49,6 +51,7 @@ from lightning_roundpipe.partition.fitting import fitting_candidates, modelled_p
 from lightning_roundpipe.partition.memory import overlap_banks
 from lightning_roundpipe.partition.seqlen import largest_fitting
 from lightning_roundpipe.partition.types import PartitionPlan
+from lightning_roundpipe.partition.units import format_bytes
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages
 
 GiB = 2**30
@@ -122,6 +125,18 @@ class PlanReport:
     """Batches per optimizer step (``--accumulate-grad-batches``); ``step_s`` is per batch."""
     microbatches_per_round: int | None = None
     """The microbatch rounds of the plan above (``None``: one round)."""
+    stage_memory_given: bool = False
+    """Whether ``layer_budget_bytes`` came from `--stage-memory-gib` (else half the device memory)."""
+    banks: int = 1
+    """Pool banks of the run's mode counted in the peak (2: async, or accumulation, with overlapped batches)."""
+    remedies: tuple = ()
+    """When the plan does not fit: the single changes whose plan fits by the same memory model
+    (:func:`~lightning_roundpipe.cli.plan_fit.fitting_remedies`)."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether the modelled peak fits the device memory (the run's check before its first step agrees)."""
+        return self.peak_device_memory_bytes <= self.hardware.memory_bytes
 
     @property
     def tokens_per_s(self) -> float:
@@ -181,6 +196,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         " moved; a run measures it: `roundpipe/optimizer(s)`)")
     p.add_argument("--accumulate-grad-batches", type=int, default=1,
                    help="batches per optimizer step (default 1); the prediction is per batch")
+    p.add_argument("--no-overlap-batches", dest="overlap_batches", action="store_false",
+                   help="the run's `overlap_batches=False`: one pool bank on each device also with `--optimizer async`"
+                        " or `--accumulate-grad-batches` (default: two, the next batch's pipeline overlaps the drain)")
     p.add_argument("--grid-rows", type=int, default=40, help="grid rows shown before truncating (0: all; default 40)")
     p.add_argument("--full-table", action="store_true", help="one row per stage (default: alike neighbours share a row)")
     p.set_defaults(func=run)
@@ -202,6 +220,7 @@ class PlanInputs:
     optimizer: str
     accumulate_grad_batches: int
     method: str
+    overlap_batches: bool = True
 
     def modelled(self, seq_len: int, microbatch_size: int, dtype_bytes: int) -> ModelledProfiles:
         """The layer sequence's modelled costs at ``seq_len`` x ``microbatch_size``."""
@@ -298,7 +317,8 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         raise ValueError(f"`--stage-memory-gib` must be in (0, --device-memory-gib], got {args.stage_memory_gib}."
                          " HINT: leave it out for half the device memory (the next stage is prefetched beside it).")
     return PlanInputs(shape=shape, hardware=hw, cost_model=cm, lora=lora, num_devices=D, num_microbatches=M,
-                      stage_memory_bytes=budget, optimizer=optimizer, accumulate_grad_batches=accumulate, method=method)
+                      stage_memory_bytes=budget, optimizer=optimizer, accumulate_grad_batches=accumulate, method=method,
+                      overlap_batches=getattr(args, "overlap_batches", True))
 
 
 def make_report(args: argparse.Namespace) -> PlanReport:
@@ -317,10 +337,16 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         return given.modelled(seq_len, mb, args.dtype_bytes)
 
     mp = modelled(args.seq_len, args.microbatch_size)
-    banks = overlap_banks(optimizer, accumulate)
+    banks = overlap_banks(optimizer, accumulate, given.overlap_batches)
     layer_budget = budget  # the longest sequence: every single layer within the given per-stage budget
-    candidates, budget = fitting_candidates(mp, D, M, budget, method, banks, args.dtype_bytes, hw.memory_bytes,
-                                            lower=args.stage_memory_gib is None)
+    remedy_args = dict(seq_len=args.seq_len, microbatch_size=args.microbatch_size, dtype_bytes=args.dtype_bytes,
+                       lora_rank=args.lora_rank, stage_memory_given=args.stage_memory_gib is not None)
+    try:
+        candidates, budget = fitting_candidates(mp, D, M, budget, method, banks, args.dtype_bytes, hw.memory_bytes,
+                                                lower=args.stage_memory_gib is None)
+    except ValueError as error:  # a single layer over the per-stage budget: name the changes that fit
+        raise ValueError(str(error).split(" HINT:")[0] + " "
+                         + remedies_hint(fitting_remedies(given, **remedy_args, current=None))) from None
     optimizer_bytes = optimizer_step_bytes(model_param_counts(mp)[1])
     choices = choose_modes(candidates, mp, hw, D, M, optimizer_bytes, accumulate)
     chosen = choices.get(optimizer)
@@ -329,6 +355,8 @@ def make_report(args: argparse.Namespace) -> PlanReport:
     stages = tuple(describe_stages(part, mp.profiles, mp.saved_activation_bytes, mp.shared_weights))
     fwd, bwd = schedule_ranges(part)
     eplan = build_roundpipe_plan(build_stages(fwd, bwd, fused_tail=True), D, M, microbatches_per_round=per_round)
+    peak = modelled_peak(mp, stages, D, M, banks, args.dtype_bytes)
+    remedies = () if peak <= hw.memory_bytes else tuple(fitting_remedies(given, **remedy_args, current=peak))
     if chosen is None:
         step_s, idle, predictor = _predict(eplan, mp, hw)
     else:
@@ -340,7 +368,7 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         optimizer=optimizer, mode_choices=choices, num_candidates=len(candidates), optimizer_bytes=optimizer_bytes,
         optimizer_step_s=optimizer_bytes / hw.optimizer_bytes_per_s, accumulate_grad_batches=accumulate,
         microbatches_per_round=per_round,
-        peak_device_memory_bytes=modelled_peak(mp, stages, D, M, banks, args.dtype_bytes),
+        peak_device_memory_bytes=peak, remedies=remedies, banks=banks, stage_memory_given=args.stage_memory_gib is not None,
         max_seq_len=longest_sequence(lambda s: modelled(s, args.microbatch_size), layer_budget),
         max_seq_len_mb1=longest_sequence(lambda s: modelled(s, 1), layer_budget),
         stage_memory_bytes=budget, layer_budget_bytes=layer_budget,
@@ -414,7 +442,7 @@ def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) 
         f" {r.num_microbatches} microbatches per step ({r.num_microbatches * mp.tokens_per_microbatch} tokens)",
         f"hardware: {r.num_devices} device{'s' if r.num_devices != 1 else ''} x {_num(hw.memory_bytes / GiB)} GiB, {_num(hw.flops_per_s / 1e12)} TFLOP/s"
         f" peak (GEMM efficiency {_num(mp.cost_model.gemm_efficiency)}), H2D {_num(hw.h2d_bytes_per_s / 1e9)} GB/s,"
-        f" D2H {_num(hw.d2h_bytes_per_s / 1e9)} GB/s; per-stage memory budget {_num(r.stage_memory_bytes / GiB)} GiB",
+        f" D2H {_num(hw.d2h_bytes_per_s / 1e9)} GB/s; per-stage memory budget {budget_label(r)}",
     ]
     if sh.model_type not in KNOWN_MODEL_TYPES:
         lines.append(f"note: model_type `{sh.model_type}` is not one the cost model knows ({', '.join(KNOWN_MODEL_TYPES)}):"
@@ -423,7 +451,7 @@ def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) 
         f"partition: {nf} forward + {nb} backward stages (incl. the fused tail) = {len(r.stages)} stages;"
         f" objective max(S, D) x W = {r.partition.objective_s:.3f} s" + _choice_note(r),
         "",
-        _stage_table(r, full_table),
+        stage_table(r, full_table),
         "",
         f"round-robin plan (stage k on device k mod {r.num_devices}; unit time per compute):",
         _truncated_grid(r.execution_plan, grid_rows),
@@ -432,18 +460,20 @@ def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) 
         "idle per device (%): " + "  ".join(f"dev{d} {x:.1f}" for d, x in enumerate(r.idle_pct))
         + f"   (mean {sum(r.idle_pct) / len(r.idle_pct):.1f})",
         *_mode_table(r),
-        f"peak device memory: {r.peak_device_memory_bytes / GiB:.2f} GiB of {_num(hw.memory_bytes / GiB)} GiB"
-        " (pool banks of stage weight slots, accumulators and transfer slots + the largest stage working set)",
-        f"longest sequence that fits: {_tokens(r.max_seq_len, r.max_seq_len_bound)} at microbatch size"
+        f"peak device memory: {format_bytes(r.peak_device_memory_bytes)} of {format_bytes(hw.memory_bytes)}"
+        f" ({'two pool banks' if r.banks == 2 else 'one pool bank'} of stage weight slots, accumulators and transfer"
+        " slots + the largest stage working set)",
+        f"longest sequence a stage can hold: {_tokens(r.max_seq_len, r.max_seq_len_bound)} at microbatch size"
         f" {mp.microbatch_size}"
         + (f"; {_tokens(r.max_seq_len_mb1, r.max_seq_len_bound)} at microbatch size 1" if mp.microbatch_size != 1 else "")
-        + f" (every layer within the {_num((r.layer_budget_bytes or r.stage_memory_bytes) / GiB)} GiB per-stage budget"
+        + f" (every single layer within the {format_bytes(r.layer_budget_bytes or r.stage_memory_bytes)} per-stage"
+        f" budget{'' if r.stage_memory_given else ', half the device memory'}"
+        + (", before the lowering above" if r.stage_memory_bytes < (r.layer_budget_bytes or 0) else "")
+        + "; an upper bound: the pools come on top,"
+        " `--seq-len N` plans a length against the device"
         + (f"; the search stops at {r.max_seq_len_bound:,} tokens)" if r.max_seq_len_mb1 >= r.max_seq_len_bound else ")"),
+        *(f"ERROR: {line}" if i == 0 else line for i, line in enumerate(fit_lines(r))),
     ]
-    if r.peak_device_memory_bytes > hw.memory_bytes:
-        lines.append("WARNING: the peak exceeds the device memory (the run's check before its first step refuses it);"
-                     " HINT: lower `--stage-memory-gib` (default: half the device memory), the microbatch size or"
-                     " the sequence length; in the overlapped modes a second pool bank is counted.")
     return "\n".join(lines)
 
 
@@ -524,46 +554,6 @@ def _tokens(n: int, bound: int) -> str:
     return f"at least {n:,} tokens" if n >= bound else f"{n:,} tokens"
 
 
-def _stage_table(r: PlanReport, full: bool = False) -> str:
-    """One row per stage; runs of 3+ identical consecutive stages share a row (``x N``) unless ``full``."""
-    head = (f"{'stage':>7} {'kind':<8} {'layers':<11} {'layers/stage':>12} {'weights GiB':>11} {'grads GiB':>9}"
-            f" {'mem GiB':>7} {'compute ms':>10} {'upload ms':>9}")
-    rows = [head, "-" * len(head)]
-    L = len(r.modelled.profiles)
-    groups: list[list[StageSummary]] = []
-    for s in r.stages:
-        key = (s.kind, len(s.layers), s.param_bytes, s.grad_bytes, s.memory_bytes, round(s.cost_s, 9))
-        prev = groups[-1][-1] if groups else None
-        same = prev is not None and key == (prev.kind, len(prev.layers), prev.param_bytes, prev.grad_bytes,
-                                            prev.memory_bytes, round(prev.cost_s, 9))
-        if same and not full:
-            groups[-1].append(s)
-        else:
-            groups.append([s])
-    for g in groups:
-        if len(g) < 3:
-            rows += [_stage_row(r, [s], L) for s in g]
-        else:
-            rows.append(_stage_row(r, g, L))
-    rows.append("  (* holds the prefix (layer 0: embedding) or the tail (last layer: norm, LM head, loss); `a-b xN`: N stages"
-                " alike; compute ms per stage and microbatch: forward, or recompute + backward, or the tail's forward + backward)")
-    return "\n".join(rows)
-
-
-def _stage_row(r: PlanReport, group: list[StageSummary], num_layers: int) -> str:
-    s = group[0]
-    lo = min(x.layers.start for x in group)
-    hi = max(x.layers.stop for x in group) - 1
-    label = f"{lo}..{hi}" if hi > lo else f"{lo}"
-    if num_layers > 2 and (lo == 0 or hi == num_layers - 1):
-        label += "*"
-    idx = f"{group[0].stage_index}" if len(group) == 1 else f"{group[0].stage_index}-{group[-1].stage_index}"
-    per = f"{len(s.layers)}" if len(group) == 1 else f"{len(s.layers)} x{len(group)}"
-    upload_ms = 1e3 * s.param_bytes / r.hardware.h2d_bytes_per_s
-    return (f"{idx:>7} {s.kind:<8} {label:<11} {per:>12} {s.param_bytes / GiB:>11.2f} {s.grad_bytes / GiB:>9.2f}"
-            f" {s.memory_bytes / GiB:>7.2f} {1e3 * s.cost_s:>10.1f} {upload_ms:>9.1f}")
-
-
 def _truncated_grid(plan: ExecutionPlan, max_rows: int) -> str:
     grid = plan.format_grid().splitlines()
     head, body = grid[:2], grid[2:]
@@ -577,7 +567,8 @@ def _truncated_grid(plan: ExecutionPlan, max_rows: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`roundpipe plan`: print the report; exit status 2 on a bad input (message on stderr)."""
+    """`roundpipe plan`: print the report; exit status 2 on a bad input, 1 when the plan does not fit the
+    device memory (the report is printed, the reason and the changes that fit on stderr)."""
     try:
         devices = mixed_plan.parse_devices(args.devices) if isinstance(args.devices, str) else args.devices
         if not isinstance(devices, int):
@@ -589,4 +580,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"roundpipe plan: error: {e}", file=sys.stderr)
         return 2
     print(format_report(report, args.grid_rows, args.full_table))
+    if not report.fits:
+        print("roundpipe plan: error: " + " ".join(fit_lines(report)), file=sys.stderr)
+        return 1
     return 0

@@ -65,6 +65,7 @@ import numpy as np
 
 from lightning_roundpipe.partition.profile import LayerProfile, SharedWeight
 from lightning_roundpipe.partition.types import PartitionPlan
+from lightning_roundpipe.partition.units import format_bytes
 from lightning_roundpipe.schedule.baselines import balanced_stage_layers
 
 #: Valid values of ``auto_partition(method=...)``.
@@ -256,13 +257,13 @@ def _check_single_layers(tab: _Tables, profiles: Sequence[LayerProfile], budget:
     for i in range(tab.L):
         need = tab.mem(i, i + 1, backward=True)  # every layer sits in a backward stage (or the tail)
         if need > budget:
-            gib = 2**30
+            size = format_bytes
             raise ValueError(
-                f"Layer {i} (`{profiles[i].name or i}`) alone needs {need / gib:.2f} GiB in a backward stage"
-                f" (weights {tab.param[i] / gib:.2f} GiB + gradients {tab.grad[i] / gib:.2f} GiB + the larger of saved"
-                f" activations {tab.saved[i] / gib:.2f} GiB + input/output {tab.io[i] / gib:.2f} GiB and one fresh"
-                f" gradient {tab.grad[i] / gib:.2f} GiB), over the per-stage memory"
-                f" budget `stage_memory_bytes` = {budget / gib:.2f} GiB (half the device memory: the next stage is"
+                f"Layer {i} (`{profiles[i].name or i}`) alone needs {size(need, exact=True)} in a backward stage"
+                f" (weights {size(tab.param[i])} + gradients {size(tab.grad[i])} + the larger of saved"
+                f" activations {size(tab.saved[i])} + input/output {size(tab.io[i])} and one fresh"
+                f" gradient {size(tab.grad[i])}), over the per-stage memory"
+                f" budget `stage_memory_bytes` = {size(budget, exact=True)} (half the device memory: the next stage is"
                 " prefetched). HINT: lower the microbatch size or the sequence length, train LoRA adapters only,"
                 " or use devices with more memory."
             )

@@ -124,8 +124,12 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
     if kind == "cpu":
         warn_if_oversubscribed(len(devices))
         checker = StreamChecker() if (checking_default() if check_streams is None else check_streams) else None
-        return [CpuBackend(i, cpu_link_bytes_per_s, debug_copy_delay_s, budgets[i], checker)
-                for i in range(len(devices))]
+        backends = [CpuBackend(i, cpu_link_bytes_per_s, debug_copy_delay_s, budgets[i], checker)
+                    for i in range(len(devices))]
+        for backend in backends:
+            if backend.memory is not None:
+                backend.memory.unequal_budgets = len(set(budgets)) > 1
+        return backends
     if kind == "cuda":
         from lightning_roundpipe.runtime.backends.cuda import CudaBackend
 

@@ -80,6 +80,11 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 100 * 2**20 else f"{nbytes / 2**20:.3f} MiB ({nbytes} bytes)"
 
 
+def pool_slots_text(count: int) -> str:
+    """``"one slot"``, ``"2 slots"``: stage weight slots, as the messages of the pools write them."""
+    return "one slot" if count == 1 else f"{count} slots"
+
+
 class DeviceMemoryError(torch.OutOfMemoryError):
     """A CPU virtual device would exceed its ``device_memory_bytes`` budget (a ``RuntimeError``).
 
@@ -91,13 +96,14 @@ class DeviceMemoryError(torch.OutOfMemoryError):
         budget_bytes: the budget.
     """
 
-    def __init__(self, device_index: int, where: str, asked_bytes: int, in_use_bytes: int, budget_bytes: int) -> None:
-        self.device_index, self.where = device_index, where
+    def __init__(self, device_index: int, where: str, asked_bytes: int, in_use_bytes: int, budget_bytes: int,
+                 unequal_budgets: bool = False) -> None:
+        self.device_index, self.where, self.unequal_budgets = device_index, where, unequal_budgets
         self.asked_bytes, self.in_use_bytes, self.budget_bytes = asked_bytes, in_use_bytes, budget_bytes
-        hint = ("every device holds two slots of the largest stage's weights (the stage computing and the one"
-                " prefetched): make that stage smaller (`forward_stages`/`backward_stages` with fewer layers; a"
-                " single layer cannot be split), or raise `device_memory_bytes` above twice that stage's bytes plus"
-                " the activations." if "weight pool" in where else
+        hint = ("the stage weight pool's slots (named above) are each as large as the largest stage's weights:"
+                " make that stage smaller (`forward_stages`/`backward_stages` with fewer layers; a single layer"
+                " cannot be split), or raise `device_memory_bytes` above those slots plus the activations."
+                if "weight pool" in where else
                 "a stage's weights do not fit: use smaller stages (`forward_stages`/`backward_stages` with fewer"
                 " layers each), or raise `device_memory_bytes`."
                 if "LOAD" in where else
@@ -107,13 +113,15 @@ class DeviceMemoryError(torch.OutOfMemoryError):
         super().__init__(
             f"RoundPipe: CPU virtual device {device_index} ran out of its `device_memory_bytes={budget_bytes}` at"
             f" {where}: {asked_bytes} bytes asked with {in_use_bytes} in use ({_size(asked_bytes + in_use_bytes)}"
-            f" > {_size(budget_bytes)}). HINT: {hint} With devices of unequal memory (one `device_memory_bytes`"
-            " entry per device), `dispatch='weighted'` keeps a stage off a device whose budget cannot hold two"
-            " copies of its weights; activations need room beside them, so give a small device a margin or leave it out."
+            f" > {_size(budget_bytes)}). HINT: {hint}"
+            + (" The devices' budgets differ (one `device_memory_bytes` entry per device): `dispatch='weighted'` keeps"
+               " a stage off a device whose budget cannot hold its pool slots; activations need room beside them, so"
+               " give a small device a margin or leave it out." if unequal_budgets else "")
         )
 
     def __reduce__(self):
-        return type(self), (self.device_index, self.where, self.asked_bytes, self.in_use_bytes, self.budget_bytes)
+        return type(self), (self.device_index, self.where, self.asked_bytes, self.in_use_bytes, self.budget_bytes,
+                            self.unequal_budgets)
 
 
 class DeviceMemoryLedger:
@@ -132,6 +140,9 @@ class DeviceMemoryLedger:
     def __init__(self, device_index: int, budget_bytes: int | None) -> None:
         self.device_index = device_index
         self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
+        self.unequal_budgets = False
+        """Whether the devices' budgets differ (set by :func:`~lightning_roundpipe.runtime.backends.make_backends`):
+        the error's HINT then names the weighted dispatch."""
         self.in_use_bytes = 0
         self.peak_bytes = 0
         self.step_peak_bytes = 0
@@ -166,7 +177,8 @@ class DeviceMemoryLedger:
         with self._lock:
             in_use = self.in_use_bytes
         if self.budget_bytes is not None and in_use + nbytes > self.budget_bytes:
-            raise DeviceMemoryError(self.device_index, self.where, nbytes, in_use, self.budget_bytes)
+            raise DeviceMemoryError(self.device_index, self.where, nbytes, in_use, self.budget_bytes,
+                                    self.unequal_budgets)
 
     def track(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage until it is freed (once per storage).
@@ -183,7 +195,8 @@ class DeviceMemoryLedger:
                 return
             in_use = self.in_use_bytes
             if self.budget_bytes is not None and in_use + nbytes > self.budget_bytes:
-                error = DeviceMemoryError(self.device_index, self.where, nbytes, in_use, self.budget_bytes)
+                error = DeviceMemoryError(self.device_index, self.where, nbytes, in_use, self.budget_bytes,
+                                          self.unequal_budgets)
             else:
                 error = None
                 self._storages[key] = nbytes

@@ -141,6 +141,7 @@ class RoundPipeEngine(HostCalls):
         self.fused_loss = fused_loss
         self.loss_seed = loss_seed
         self.auto_partition_after_steps = auto_partition_after_steps
+        self.executor.error_notes.auto_partition = auto_partition_after_steps is not None
         self.measured_profiles = None
         self._last_call: tuple[int, bool] | None = None  # (microbatches, fused) of the last training call
         self._last_sizes: list[int] = []  # rows of each microbatch of the last training call
@@ -487,7 +488,7 @@ class RoundPipeEngine(HostCalls):
         prof.enabled = False
         param_bytes = [self.store.stage_bytes(range(i, i + 1)) for i in range(len(self.seq))]
         grad_bytes = [self.store.stage_grad_bytes(range(i, i + 1)) for i in range(len(self.seq))]
-        profiles = prof.profiles(param_bytes, grad_bytes)
+        profiles = prof.profiles(param_bytes, grad_bytes, list(self.seq.layer_names))
         self.measured_profiles = profiles
         if self.auto_partition_after_steps is None:
             return None

@@ -107,6 +107,8 @@ class ErrorNotes:
     def __init__(self, seq: LayerSequence) -> None:
         self.seq = seq
         self._layer_names: list[str] | None = None
+        self.auto_partition = False
+        """Whether the run's partition is automatic (an out-of-memory HINT then does not suggest it)."""
 
     def note(self, error: BaseException, device_index: int, device: str, op: Any, stream: str, spec: Any,
              replicas: Sequence) -> str:
@@ -126,16 +128,18 @@ class ErrorNotes:
         except Exception:  # never hide the user's error behind one of ours
             where = None
         note = context_note(device_index, device, str(op), stream, stage, op.microbatch_index, layer_name, where)
-        return note + oom_hint(error)
+        return note + oom_hint(error, self.auto_partition)
 
 
-def oom_hint(error: BaseException) -> str:
-    """A device out-of-memory error's HINT (the CPU budget's own error carries one already)."""
+def oom_hint(error: BaseException, auto_partition: bool = False) -> str:
+    """A device out-of-memory error's HINT (the CPU budget's own error carries one already);
+    ``auto_partition``: the run's partition is automatic already, so the HINT does not suggest it."""
     import torch
 
     if not isinstance(error, torch.OutOfMemoryError) or hasattr(error, "budget_bytes"):
         return ""
+    stages = "shorter `forward_stages`/`backward_stages`" if auto_partition else \
+        "`partition='auto'`, or shorter `forward_stages`/`backward_stages`"
     return (". HINT: the device ran out of memory in this op (torch's message above gives the bytes): use smaller"
-            " stages (`partition='auto'`, or shorter `forward_stages`/`backward_stages`), fewer microbatches in"
-            " flight (`microbatches_per_round`), or a smaller microbatch or sequence; the stage weight pool holds two"
-            " slots of the largest stage on every device")
+            f" stages ({stages}), fewer microbatches in flight (`microbatches_per_round`), or a smaller microbatch"
+            " or sequence; every device's stage weight pool holds slots as large as the largest stage")

@@ -180,9 +180,11 @@ class StepOverlap:
     def _tell_one_bank(self) -> None:
         if self.engine.executor.one_bank is not None and not self.told_one_bank:
             self.told_one_bank = True
+            stages = ("shorter `forward_stages`/`backward_stages`" if self.engine.auto_partition_after_steps is not None
+                      else "`partition='auto'`, or shorter `forward_stages`/`backward_stages`")
             self.engine.info("RoundPipe: the next batch's pipeline no longer overlaps the previous one's drain: a"
                              f" second set of device pools does not fit ({self.engine.executor.one_bank}). HINT:"
-                             " smaller stages (`device_memory_bytes`, `partition='auto'`) or fewer microbatch rows"
+                             f" smaller stages ({stages}), fewer microbatch rows or a larger `device_memory_bytes`"
                              " bring the overlap back.")
 
     def allowed(self, grad_inputs: list) -> bool:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_roundpipe.runtime.backends.base import Backend
+from lightning_roundpipe.runtime.backends.budget import pool_slots_text
 from lightning_roundpipe.runtime.execution.jitter import pause as jitter_pause
 from lightning_roundpipe.runtime.backends.pool import HostStagingPool, pack, packed_nbytes, pool_slots
 from lightning_roundpipe.schedule.buffers import device_slots, host_slots, slot_sizes
@@ -125,7 +126,8 @@ class TransferOps:
                 spec = stages[largest]
                 pools = backend.bank(bank)
                 backend.pool_label = (f"the stage weight pool{f' (bank {bank})' if bank else ''}, before any LOAD:"
-                                      f" {count} slot(s) of {sizes[largest]} bytes for the largest stage, {spec.describe()}")
+                                      f" {pool_slots_text(count)} of {sizes[largest]} bytes for the largest stage,"
+                                      f" {spec.describe()}")
                 with backend.stream_context("weights"):  # the stream that fills them
                     pools.pool.reserve(count, sizes[largest])
                 if accumulate:

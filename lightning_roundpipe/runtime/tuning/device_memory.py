@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_roundpipe.partition.memory import DevicePeak, StageBytes, aligned, device_peaks
 from lightning_roundpipe.partition.profile import LayerProfile
-from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError, _size
+from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError, _size, pool_slots_text
 from lightning_roundpipe.runtime.backends.pool import packed_nbytes
 from lightning_roundpipe.schedule.buffers import device_slots
 
@@ -35,27 +35,33 @@ class PlanMemoryError(DeviceMemoryError):
     Attributes (beyond :class:`DeviceMemoryError`'s): ``peak`` (the :class:`DevicePeak`).
     """
 
-    def __init__(self, peak: DevicePeak, budget_bytes: int, stage: str = "", banks: int = 1, pool_stage: str = "") -> None:
+    def __init__(self, peak: DevicePeak, budget_bytes: int, stage: str = "", banks: int = 1, pool_stage: str = "",
+                 auto_partition: bool = False) -> None:
         self.peak, self.stage, self.banks, self.pool_stage = peak, stage, banks, pool_stage
+        self.auto_partition = auto_partition
         self.device_index, self.where = peak.device_index, stage
         self.asked_bytes, self.in_use_bytes, self.budget_bytes = peak.peak_bytes, 0, budget_bytes
         parts = ", ".join(f"{name} {nbytes}" for name, nbytes in peak.parts.items() if nbytes)
         pools = "two pool banks (the overlapped modes), each with" if banks == 2 else "one pool bank with"
+        slots = pool_slots_text(peak.slots)
+        held = (f"{slots} of the largest stage's weights per bank"
+                + (" (the stage computing and the one prefetched)" if peak.slots == 2 else ""))
+        smaller = ("" if auto_partition else "`partition='auto'` (its choice keeps to this model), or ")
         torch.OutOfMemoryError.__init__(
             self,
             f"RoundPipe: the partition does not fit device {peak.device_index}: its modelled peak is {peak.peak_bytes}"
             f" bytes ({parts}) against its budget of {budget_bytes} bytes ({_size(peak.peak_bytes)} >"
             f" {_size(budget_bytes)}; `device_memory_bytes={budget_bytes}` on a CPU virtual device, on a GPU its"
             f" measured free memory less a margin); the stage weight pool, reserved before any LOAD: {pools}"
-            f" {peak.slots} slot(s) of {peak.slot_bytes} bytes for the largest stage, {pool_stage}; the largest working"
-            f" set is {stage}. HINT: every device holds two slots of the largest stage's weights (the stage computing"
-            " and the one prefetched): make that stage smaller (`partition='auto'`, or `forward_stages` /"
+            f" {slots} of {peak.slot_bytes} bytes for the largest stage, {pool_stage}; the largest working"
+            f" set is {stage}. HINT: this device holds {held}: make that stage smaller ({smaller}`forward_stages` /"
             " `backward_stages` with fewer layers each; a single layer cannot be split); fewer rows per microbatch"
-            " (`num_microbatches`) or shorter sequences shrink the working set; `overlap_batches=False` keeps one pool"
-            " bank; or raise `device_memory_bytes`. `roundpipe plan` prints the same model.")
+            " (`num_microbatches`) or shorter sequences shrink the working set; "
+            + ("`overlap_batches=False` keeps one pool bank; " if banks == 2 else "")
+            + "or raise `device_memory_bytes`. `roundpipe plan` prints the same model.")
 
     def __reduce__(self):
-        return type(self), (self.peak, self.budget_bytes, self.stage, self.banks, self.pool_stage)
+        return type(self), (self.peak, self.budget_bytes, self.stage, self.banks, self.pool_stage, self.auto_partition)
 
 
 def _autocast_copies(store: Any, layers: Sequence[torch.nn.Module], autocast_bytes: int | None) -> int:
@@ -205,14 +211,16 @@ def program_slots(plan: Any) -> int:
     return max(pool_slots(plan).values(), default=-1) + 1
 
 
-def check_budgets(peaks: Sequence[DevicePeak], budgets: Sequence[int | None], plan: Any, banks: int) -> None:
+def check_budgets(peaks: Sequence[DevicePeak], budgets: Sequence[int | None], plan: Any, banks: int,
+                  auto_partition: bool = False) -> None:
     """Raise :class:`PlanMemoryError` for the first device whose modelled peak exceeds its budget
-    (``None``: unlimited)."""
+    (``None``: unlimited); ``auto_partition``: the run's partition is automatic already (its HINT then
+    does not suggest it)."""
     for peak, budget in zip(peaks, budgets):
         if budget is not None and peak.peak_bytes > budget:
             stage = plan.stages[peak.stage_index].describe() if peak.stage_index is not None else ""
             pool_stage = plan.stages[peak.pool_stage_index].describe() if peak.pool_stage_index is not None else ""
-            raise PlanMemoryError(peak, budget, stage, banks, pool_stage)
+            raise PlanMemoryError(peak, budget, stage, banks, pool_stage, auto_partition)
 
 
 def check_program(engine: Any, program: Any, state: Any, banks: int) -> str | None:
@@ -251,7 +259,7 @@ def check_program(engine: Any, program: Any, state: Any, banks: int) -> str | No
         peaks = predicted_peaks(engine.seq, engine.store, program, rows=rows, seq_len=seq_len, banks=count,
                                 compute_bytes=dtype.itemsize, batch_bytes=batch_bytes)
         try:
-            check_budgets(peaks, budgets, program.plan, count)
+            check_budgets(peaks, budgets, program.plan, count, engine.auto_partition_after_steps is not None)
             break
         except PlanMemoryError as error:
             if count == 1:

@@ -89,8 +89,10 @@ class LayerProfiler:
         """Whether forward and backward averages exist for every layer."""
         return self.avg["forward"] is not None and self.avg["backward"] is not None
 
-    def profiles(self, param_bytes: list[int], grad_bytes: list[int] | None = None) -> list[LayerProfile]:
-        """The measured :class:`LayerProfile` s.
+    def profiles(self, param_bytes: list[int], grad_bytes: list[int] | None = None,
+                 names: list[str] | None = None) -> list[LayerProfile]:
+        """The measured :class:`LayerProfile` s, named by ``names`` (the layer sequence's ``layer_names``, as
+        the stage table prints them; default ``layer<i>``).
 
         Raises:
             RuntimeError: before :attr:`ready`.
@@ -101,6 +103,7 @@ class LayerProfiler:
         return [
             LayerProfile(forward_s=fwd[i], backward_s=bwd[i], param_bytes=param_bytes[i],
                          activation_bytes=self._activation_bytes.get(i, 0),
-                         trainable_param_bytes=None if grad_bytes is None else grad_bytes[i], name=f"layer{i}")
+                         trainable_param_bytes=None if grad_bytes is None else grad_bytes[i],
+                         name=f"layer{i}" if names is None else names[i])
             for i in range(self.num_layers)
         ]
