@@ -230,7 +230,6 @@ KNOWN_CYCLES = {
     ("partition.candidates", "partition.partitioner"),
     ("runtime.execution.engine", "runtime.execution.overlap"),
     ("runtime.tuning.autopartition", "runtime.tuning.mixed"),
-    ("schedule.lower", "schedule.program"),
 }
 
 
