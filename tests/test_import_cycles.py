@@ -228,7 +228,6 @@ def describe(cycles: list[tuple[list[str], list[ImportEdge]]]) -> str:
 KNOWN_CYCLES = {
     ("cli.mixed_plan", "cli.plan_cmd"),
     ("runtime.execution.engine", "runtime.execution.overlap"),
-    ("runtime.tuning.autopartition", "runtime.tuning.mixed"),
 }
 
 
