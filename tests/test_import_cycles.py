@@ -223,20 +223,8 @@ def describe(cycles: list[tuple[list[str], list[ImportEdge]]]) -> str:
     return "\n".join(out)
 
 
-# The cycles of the tree when this test was written (issue 31, What to build item 8): each commit that splits a
-# pair removes its line; the list is then deleted. A cycle not listed here fails the test.
-KNOWN_CYCLES = {
-    ("cli.mixed_plan", "cli.plan_cmd"),
-}
-
-
 def test_no_import_cycles_between_package_modules() -> None:
     cycles = import_cycles(ROOT / PACKAGE)
-    prefix = PACKAGE + "."
-    found = {tuple(name.removeprefix(prefix) for name in component) for component, _ in cycles}
-    assert found <= KNOWN_CYCLES, describe(cycles)
-    assert found == KNOWN_CYCLES, f"no longer cycles, remove from KNOWN_CYCLES: {sorted(KNOWN_CYCLES - found)}"
-    cycles = [cycle for cycle in cycles if tuple(name.removeprefix(prefix) for name in cycle[0]) not in KNOWN_CYCLES]
     assert not cycles, (f"{len(cycles)} import cycle(s) between modules of {PACKAGE} (DESIGN.md section 3); "
                         "HINT: move the definitions both modules need into the lower one (or a new small "
                         "module) so that imports run one way:\n" + describe(cycles))
