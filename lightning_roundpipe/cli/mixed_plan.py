@@ -23,9 +23,11 @@ import copy
 import math
 from dataclasses import dataclass
 
+from lightning_roundpipe.cli.plan_args import (MAX_TFLOPS, _truncated_grid, model_param_counts,  # noqa: F401
+                                               parse_devices, plan_inputs)
 from lightning_roundpipe.partition.candidates import candidate_partitions
 from lightning_roundpipe.partition.costmodel import ModelledProfiles
-from lightning_roundpipe.partition.devices import KNOWN_GPUS, GpuSpec, MixedDevices, gpu_spec, relative_speeds
+from lightning_roundpipe.partition.devices import GpuSpec, MixedDevices, relative_speeds
 from lightning_roundpipe.partition.profile import HardwareModel, optimizer_step_bytes
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan
 from lightning_roundpipe.schedule.dispatch import DISPATCH_RULES
@@ -33,56 +35,6 @@ from lightning_roundpipe.schedule.dispatch import DISPATCH_RULES
 __all__ = ["MixedPlanReport", "RulePlan", "format_mixed_report", "make_mixed_report", "parse_devices"]
 
 GiB = 2**30
-
-
-MAX_TFLOPS = 3000
-"""The largest dense bf16 TFLOP/s accepted for one device in ``TFLOPS:GiB`` (a B200 has about 2,250)."""
-
-
-def parse_devices(text: str) -> int | tuple[GpuSpec, ...]:
-    """``--devices``: a count of equal devices (``"8"``), or a list of devices separated by commas,
-    each a known GPU's name (``4090``, ``rtx3090``: :data:`~lightning_roundpipe.partition.devices.KNOWN_GPUS`)
-    or ``TFLOPS:GiB`` (dense bf16 TFLOP/s and memory GiB, e.g. ``330:24``). A single named device
-    needs its ``rtx`` prefix or a trailing comma (``4090`` alone is a count).
-
-    Raises:
-        ValueError: an empty entry, an unknown name, or numbers that are not finite and > 0
-            (named, with the known GPUs and a HINT).
-    """
-    text = str(text).strip()
-    if text.lstrip("+-").isdigit():  # a count (`plan_inputs` checks its range)
-        return int(text)
-    entries = [entry.strip() for entry in text.split(",")]
-    if entries and entries[-1] == "" and len(entries) > 1:
-        entries = entries[:-1]  # "4090," : one device
-    known = ", ".join(KNOWN_GPUS)
-    out = []
-    for position, entry in enumerate(entries):
-        if not entry:
-            raise ValueError(f"`--devices` has an empty entry at position {position} in {text!r}. HINT: separate devices"
-                             " by single commas, e.g. `--devices 4090,4090,3090,3060`.")
-        if ":" in entry:
-            tflops, _, gib = entry.partition(":")
-            try:
-                values = float(tflops), float(gib)
-            except ValueError:
-                values = (math.nan, math.nan)
-            if not all(0 < v < math.inf for v in values):
-                raise ValueError(f"`--devices` entry {entry!r} must be `TFLOPS:GiB`, two finite numbers > 0 (dense bf16"
-                                 " TFLOP/s and memory GiB). HINT: `--devices 330:24,142:24`.")
-            if values[0] > MAX_TFLOPS:  # `4090:24`: a GPU's name where its TFLOP/s belong
-                named = f" `{tflops}` is a GPU's name: write `--devices {tflops}`." if gpu_spec(tflops) else ""
-                raise ValueError(f"`--devices` entry {entry!r}: {values[0]:g} dense bf16 TFLOP/s is more than any device"
-                                 f" ({MAX_TFLOPS} at most).{named} HINT: `TFLOPS:GiB`, e.g. `330:24` for an RTX 4090.")
-            out.append(GpuSpec(f"{values[0]:g} TFLOP/s", values[0] * 1e12, int(values[1] * GiB)))
-            continue
-        spec = gpu_spec(entry)
-        if spec is None:
-            raise ValueError(f"`--devices`: unknown GPU {entry!r}; known: {known}. HINT: give an unlisted device's dense"
-                             " bf16 TFLOP/s and memory as `TFLOPS:GiB`, e.g. `--devices 4090,82.6:24`; a number alone"
-                             " is a count of equal devices (`--devices 8`).")
-        out.append(spec)
-    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,7 +98,6 @@ def make_mixed_report(args: argparse.Namespace, devices: tuple[GpuSpec, ...]) ->
         ValueError: a bad argument (as `roundpipe plan`); ``--tflops``, ``--device-memory-gib`` or
             ``--stage-memory-gib`` with a device list; or a layer that fits no device.
     """
-    from lightning_roundpipe.cli.plan_cmd import model_param_counts, plan_inputs
     from lightning_roundpipe.simulate.steady import choose_for_mode, partition_stages
 
     for flag in ("--tflops", "--device-memory-gib", "--stage-memory-gib"):
@@ -199,8 +150,6 @@ def make_mixed_report(args: argparse.Namespace, devices: tuple[GpuSpec, ...]) ->
 
 def format_mixed_report(r: MixedPlanReport, grid_rows: int = 40) -> str:
     """The text `roundpipe plan --devices <list>` prints."""
-    from lightning_roundpipe.cli.plan_cmd import _truncated_grid, model_param_counts
-
     mp, sh = r.modelled, r.modelled.shape
     total, trainable = model_param_counts(mp)
     kinds = len({(device.bf16_flops_per_s, device.memory_bytes) for device in r.devices})

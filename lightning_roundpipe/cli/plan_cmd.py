@@ -30,16 +30,29 @@ from typing import Callable, Sequence
 from lightning_roundpipe.cli import mixed_plan
 from lightning_roundpipe.cli.plan_fit import budget_label, fit_lines, fitting_remedies, remedies_hint
 from lightning_roundpipe.cli.plan_table import stage_table
-from lightning_roundpipe.partition.costmodel import (KNOWN_MODEL_TYPES, CostModel, LoRASpec, ModelledProfiles, ModelShape,
-                                                   model_profiles)
+from lightning_roundpipe.cli.plan_args import (  # noqa: F401 (also plan_cmd's names before plan_args.py)
+    DEFAULT_DEVICE_MEMORY_GIB,
+    DEFAULT_TFLOPS,
+    DTYPE_BYTES,
+    MAX_DEVICES,
+    MAX_MICROBATCHES,
+    METHOD_CHOICES,
+    MODES,
+    GiB,
+    PlanInputs,
+    _truncated_grid,
+    model_param_counts,
+    parse_devices,
+    plan_inputs,
+)
+from lightning_roundpipe.partition.costmodel import KNOWN_MODEL_TYPES, CostModel, ModelledProfiles
 from lightning_roundpipe.partition.partitioner import (
-    METHODS,
     StageSummary,
     describe_stages,
     min_stage_memory_bytes,
     schedule_ranges,
 )
-from lightning_roundpipe.partition.presets import canonical_preset_name, preset_config, preset_names
+from lightning_roundpipe.partition.presets import preset_names
 from lightning_roundpipe.partition.profile import (
     ADAM_COUNTED_BYTES_PER_PARAM,
     ADAM_HOST_TRAFFIC_BYTES_PER_PARAM,
@@ -54,22 +67,8 @@ from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.partition.units import format_bytes
 from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan, build_stages
 
-GiB = 2**30
 #: Upper bound of the longest-sequence search, tokens (a result equal to it means "at least").
 MAX_SEQ_LEN_SEARCHED = 1 << 22
-#: ``--tflops`` and ``--device-memory-gib`` when not given: an RTX 4090 (dense bf16 TFLOP/s, GiB).
-DEFAULT_TFLOPS = 165.0
-DEFAULT_DEVICE_MEMORY_GIB = 24.0
-#: most microbatches per step one plan simulates (its time grows with them; 1024 took minutes)
-MAX_MICROBATCHES = 256
-#: most devices one plan covers (one machine; a 1000-device plan would take minutes to simulate)
-MAX_DEVICES = 64
-#: Bytes of a compute dtype ``--dtype-bytes`` accepts: 1 (fp8), 2 (bf16/fp16), 4 (fp32).
-DTYPE_BYTES = (1, 2, 4)
-#: Optimizer modes, in the order their predictions are printed.
-MODES = ("sync", "async")
-#: ``--method`` values: ``auto`` (the simulator's choice among the candidates) or one partitioner method.
-METHOD_CHOICES = ("auto",) + tuple(METHODS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,121 +205,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 # ---------------------------------------------------------------------- building the report
-@dataclass(frozen=True)
-class PlanInputs:
-    """`roundpipe plan`'s validated arguments (:func:`plan_inputs`)."""
-
-    shape: ModelShape
-    hardware: HardwareModel
-    cost_model: CostModel
-    lora: LoRASpec | None
-    num_devices: int
-    num_microbatches: int
-    stage_memory_bytes: int
-    optimizer: str
-    accumulate_grad_batches: int
-    method: str
-    overlap_batches: bool = True
-
-    def modelled(self, seq_len: int, microbatch_size: int, dtype_bytes: int) -> ModelledProfiles:
-        """The layer sequence's modelled costs at ``seq_len`` x ``microbatch_size``."""
-        return model_profiles(self.shape, self.hardware, seq_len=seq_len, microbatch_size=microbatch_size,
-                              compute_dtype_bytes=dtype_bytes, lora=self.lora, cost_model=self.cost_model)
-
-
-def plan_inputs(args: argparse.Namespace) -> PlanInputs:
-    """Validate parsed `roundpipe plan` arguments (``args.devices`` a count: an int or its digits) and
-    load the model's shape.
-
-    Raises:
-        ValueError: a bad argument value (named, with the valid range).
-    """
-    if isinstance(args.devices, str):
-        count = mixed_plan.parse_devices(args.devices)
-        if not isinstance(count, int):
-            raise ValueError("`--devices` lists devices; `make_report` plans a count of equal devices."
-                             " HINT: `lightning_roundpipe.cli.mixed_plan.make_mixed_report` plans a device list.")
-        args.devices = count
-    hints = {"devices": f"a count (1..{MAX_DEVICES}) or a device list, e.g. `--devices 8` or `--devices 4090,3090`",
-             "seq_len": "tokens per sequence, e.g. 2048", "microbatch_size": "sequences per microbatch, e.g. 4",
-             "lora_rank": "the adapters' rank, e.g. 16"}
-    for name, hint in hints.items():
-        v = getattr(args, name)
-        if v < 1:
-            raise ValueError(f"`--{name.replace('_', '-')}` must be >= 1, got {v}. HINT: {hint}.")
-    if args.dtype_bytes not in DTYPE_BYTES:
-        raise ValueError(
-            f"`--dtype-bytes` must be one of {list(DTYPE_BYTES)}, got {args.dtype_bytes}."
-            " HINT: 1 for fp8, 2 for bf16/fp16, 4 for fp32."
-        )
-    grid_rows = getattr(args, "grid_rows", 0)
-    if grid_rows < 0:
-        raise ValueError(f"`--grid-rows` must be >= 0, got {grid_rows}. HINT: 0 shows every step of the grid.")
-    if args.microbatches is not None and not 1 <= args.microbatches <= MAX_MICROBATCHES:
-        raise ValueError(f"`--microbatches` must be in 1..{MAX_MICROBATCHES}, got {args.microbatches}. HINT: the"
-                         " simulator's time grows with the microbatches and the bubble is nearly gone from"
-                         " devices + 1 on (the default); for a larger global batch, plan"
-                         " `--accumulate-grad-batches`.")
-    if not 0 < args.efficiency <= 1:
-        raise ValueError(f"`--efficiency` must be in (0, 1], got {args.efficiency}. HINT: the achieved share of"
-                         " `--tflops` for dense GEMMs, e.g. 0.75.")
-    optimizer = getattr(args, "optimizer", "sync")
-    if optimizer not in MODES:
-        raise ValueError(f"`--optimizer` must be one of {list(MODES)}, got {optimizer!r}.")
-    accumulate = getattr(args, "accumulate_grad_batches", 1)
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"`--accumulate-grad-batches` must be an int >= 1, got {accumulate!r}. HINT: 1 steps the"
-                         " optimizer after every batch.")
-    method = getattr(args, "method", "auto")
-    if method not in METHOD_CHOICES:
-        raise ValueError(f"`--method` must be one of {list(METHOD_CHOICES)}, got {method!r}.")
-    if args.preset is not None:
-        key = canonical_preset_name(args.preset)
-        shape = ModelShape.from_config(preset_config(key))
-    else:
-        shape = ModelShape.load(args.model)
-    optimizer_gbps = getattr(args, "optimizer_gbps", None)
-    tflops = DEFAULT_TFLOPS if args.tflops is None else args.tflops
-    device_memory_gib = DEFAULT_DEVICE_MEMORY_GIB if args.device_memory_gib is None else args.device_memory_gib
-    for flag, value in (("--tflops", tflops), ("--h2d-gbps", args.h2d_gbps), ("--d2h-gbps", args.d2h_gbps),
-                        ("--duplex-h2d-gbps", args.duplex_h2d_gbps), ("--device-memory-gib", device_memory_gib),
-                        ("--optimizer-gbps", optimizer_gbps)):
-        if value is not None and not 0 < value < float("inf"):
-            raise ValueError(f"`{flag}` must be a finite number > 0, got {value}. HINT: see `roundpipe plan --help`"
-                             " for each flag's default (" + ("a host's memory bandwidth share" if flag == "--optimizer-gbps"
-                                                             else "an RTX 4090 on PCIe 4.0 x16") + ").")
-    if tflops > mixed_plan.MAX_TFLOPS:  # as a device list's `TFLOPS:GiB` entry
-        raise ValueError(f"`--tflops` {tflops:g} is more than any device ({mixed_plan.MAX_TFLOPS} dense TFLOP/s at most)."
-                         " HINT: one device's dense peak in the compute dtype, e.g. 165 for an RTX 4090 in bf16.")
-    if not 1 <= args.devices <= MAX_DEVICES:
-        from lightning_roundpipe.partition.devices import gpu_spec
-
-        named = (f" A count, not a GPU: for one {args.devices}, write `--devices rtx{args.devices}`."
-                 if gpu_spec(str(args.devices)) is not None else "")
-        raise ValueError(f"`--devices` must be in 1..{MAX_DEVICES} (devices of one machine), got {args.devices}.{named}"
-                         " HINT: across machines, plan one node and add data parallelism (`Trainer(num_nodes=N)`).")
-    gbps = 1e9
-    hw = HardwareModel(
-        flops_per_s=tflops * 1e12,
-        h2d_bytes_per_s=args.h2d_gbps * gbps,
-        d2h_bytes_per_s=(args.d2h_gbps or args.h2d_gbps) * gbps,
-        h2d_duplex_bytes_per_s=None if args.duplex_h2d_gbps is None else args.duplex_h2d_gbps * gbps,
-        memory_bytes=int(device_memory_gib * GiB),
-        host_optimizer_bytes_per_s=None if optimizer_gbps is None else optimizer_gbps * gbps,
-    )
-    cm = CostModel(gemm_efficiency=args.efficiency)
-    lora = LoRASpec(rank=args.lora_rank) if args.lora else None
-    D = args.devices
-    M = args.microbatches or D + 1
-    budget = hw.memory_bytes // 2 if args.stage_memory_gib is None else int(args.stage_memory_gib * GiB)
-    if not 0 < budget <= hw.memory_bytes:
-        raise ValueError(f"`--stage-memory-gib` must be in (0, --device-memory-gib], got {args.stage_memory_gib}."
-                         " HINT: leave it out for half the device memory (the next stage is prefetched beside it).")
-    return PlanInputs(shape=shape, hardware=hw, cost_model=cm, lora=lora, num_devices=D, num_microbatches=M,
-                      stage_memory_bytes=budget, optimizer=optimizer, accumulate_grad_batches=accumulate, method=method,
-                      overlap_batches=getattr(args, "overlap_batches", True))
-
-
 def make_report(args: argparse.Namespace) -> PlanReport:
     """Compute the plan and its predictions from parsed `roundpipe plan` arguments (a count of equal
     devices; a device list is :func:`~lightning_roundpipe.cli.mixed_plan.make_mixed_report`'s).
@@ -532,19 +416,6 @@ def _stages_of(partition: PartitionPlan) -> int:
     return len(partition.forward_stages) + len(partition.backward_stages) - 1
 
 
-def model_param_counts(mp: ModelledProfiles) -> tuple[int, int]:
-    """Weights of the model and trainable weights, elements, with a tied embedding / LM head weight
-    counted once (the layer sequence counts it in both the prefix and the tail, which both upload it)."""
-    total = sum(c.param_count for c in mp.costs)
-    trainable = sum(c.trainable_param_count for c in mp.costs)
-    if mp.shape.tie_word_embeddings:
-        tied = mp.shape.vocab_size * mp.shape.hidden_size
-        total -= tied
-        if mp.costs[0].trainable_param_count >= tied and mp.costs[-1].trainable_param_count >= tied:
-            trainable -= tied
-    return total, trainable
-
-
 def _num(x: float) -> str:
     """A hardware figure with enough digits: 165, 0.1, 24, 25.5, 0.0125."""
     return f"{x:.4g}"
@@ -554,23 +425,13 @@ def _tokens(n: int, bound: int) -> str:
     return f"at least {n:,} tokens" if n >= bound else f"{n:,} tokens"
 
 
-def _truncated_grid(plan: ExecutionPlan, max_rows: int) -> str:
-    grid = plan.format_grid().splitlines()
-    head, body = grid[:2], grid[2:]
-    if max_rows <= 0 or len(body) <= max_rows:
-        return "\n".join(grid)
-    keep_top = max_rows - max_rows // 4
-    keep_bottom = max_rows // 4
-    omitted = len(body) - keep_top - keep_bottom
-    return "\n".join(head + body[:keep_top] + [f" ... | ({omitted} steps omitted; --grid-rows 0 shows all)"]
-                     + body[len(body) - keep_bottom:])
 
 
 def run(args: argparse.Namespace) -> int:
     """`roundpipe plan`: print the report; exit status 2 on a bad input, 1 when the plan does not fit the
     device memory (the report is printed, the reason and the changes that fit on stderr)."""
     try:
-        devices = mixed_plan.parse_devices(args.devices) if isinstance(args.devices, str) else args.devices
+        devices = parse_devices(args.devices) if isinstance(args.devices, str) else args.devices
         if not isinstance(devices, int):
             print(mixed_plan.format_mixed_report(mixed_plan.make_mixed_report(args, devices), args.grid_rows))
             return 0

@@ -37,8 +37,8 @@ from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
 from lightning_roundpipe.runtime.execution.replica import diverged_attributes
 from lightning_roundpipe.runtime.backends import smallest_stage_budget
-from lightning_roundpipe.runtime.tuning.autopartition import describe_rounds
-from lightning_roundpipe.runtime.tuning.mixed import configure_devices, describe_devices, follow_profiles
+from lightning_roundpipe.runtime.tuning.autopartition import describe_rounds, follow_profiles
+from lightning_roundpipe.runtime.tuning.mixed import configure_devices, describe_devices
 from lightning_roundpipe.runtime.tuning.plan_state import CHECKPOINT_KEY, plan_state, restore_plan_state
 from lightning_roundpipe.schedule.lower import DEFAULT_CHUNK_BYTES
 

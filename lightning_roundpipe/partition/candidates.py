@@ -25,6 +25,7 @@ from lightning_roundpipe.partition.partitioner import (
     METHODS,
     _check_single_layers,
     _contiguous_sums,
+    _cut_exactly,
     _pack,
     _stage_counts,
     _Tables,
@@ -32,7 +33,6 @@ from lightning_roundpipe.partition.partitioner import (
 )
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
-from lightning_roundpipe.schedule.baselines import balanced_stage_layers
 
 __all__ = ["candidate_partitions", "filling_stage_counts", "partition_with_stage_count", "stage_count"]
 
@@ -159,22 +159,3 @@ def partition_with_stage_count(
     plan = PartitionPlan(forward_stages=tuple(fwd) + (tail,), backward_stages=(tail,) + tuple(reversed(bwd)),
                          objective_s=num_stages * largest)
     return plan.validate(tab.L)
-
-
-def _cut_exactly(tab: _Tables, stop: int, count: int, W: float, budget: float, backward: bool) -> list[range]:
-    """Layers ``[0, stop)`` in exactly ``count`` stages (``count`` at least the fewest within ``W``):
-    the most even cut, or, where it breaks the memory budget, the packed cut with its largest stages
-    halved until there are ``count``. Ascending ranges."""
-    if count == 0:
-        return []
-    costs = (tab.b if backward else tab.f)[:stop].tolist()
-    even = list(balanced_stage_layers(costs, count))
-    if all(tab.mem(r.start, r.stop, backward) <= budget for r in even):
-        return even
-    cut = _pack(tab, 0, stop, W, budget, backward)
-    while len(cut) < count:
-        i = max((k for k in range(len(cut)) if len(cut[k]) > 1), key=lambda k: tab.cost(cut[k].start, cut[k].stop, backward))
-        r = cut[i]
-        split = balanced_stage_layers(costs[r.start:r.stop], 2)
-        cut[i:i + 1] = [range(r.start + x.start, r.start + x.stop) for x in split]
-    return cut

@@ -395,9 +395,26 @@ def _even_cut(tab: _Tables, stop: int, count: int, W: float, budget: float, back
     """Layers ``[0, stop)`` in ``count`` stages (the fewest within ``W``), re-cut as evenly as possible
     (:func:`balanced_stage_layers`: its largest stage cost is ``<= W``); the greedy packing within
     ``W`` if a re-cut stage exceeds the memory budget. Returns ascending ranges."""
-    from lightning_roundpipe.partition.candidates import _cut_exactly  # the same cut at the fewest count
+    return _cut_exactly(tab, stop, count, W, budget, backward)  # the same cut at the fewest count
 
-    return _cut_exactly(tab, stop, count, W, budget, backward)
+
+def _cut_exactly(tab: _Tables, stop: int, count: int, W: float, budget: float, backward: bool) -> list[range]:
+    """Layers ``[0, stop)`` in exactly ``count`` stages (``count`` at least the fewest within ``W``):
+    the most even cut, or, where it breaks the memory budget, the packed cut with its largest stages
+    halved until there are ``count``. Ascending ranges."""
+    if count == 0:
+        return []
+    costs = (tab.b if backward else tab.f)[:stop].tolist()
+    even = list(balanced_stage_layers(costs, count))
+    if all(tab.mem(r.start, r.stop, backward) <= budget for r in even):
+        return even
+    cut = _pack(tab, 0, stop, W, budget, backward)
+    while len(cut) < count:
+        i = max((k for k in range(len(cut)) if len(cut[k]) > 1), key=lambda k: tab.cost(cut[k].start, cut[k].stop, backward))
+        r = cut[i]
+        split = balanced_stage_layers(costs[r.start:r.stop], 2)
+        cut[i:i + 1] = [range(r.start + x.start, r.start + x.stop) for x in split]
+    return cut
 
 
 def _pack(tab: _Tables, start: int, stop: int, W: float, budget: float, backward: bool) -> list[range]:

@@ -330,3 +330,116 @@ def walk_in_order(plan: ExecutionPlan, duration_s) -> list[tuple[int, Action, fl
             raise PlanValidationError("deadlock: no device can make progress; " + "; ".join(blocked))
     return out
 
+
+# The plan's dispatches and producers (read by the lowering passes, `StreamProgram.validate`, the runtime and
+# the simulator; re-exported by lower.py).
+
+
+@dataclass
+class Dispatch:
+    """One residency of one stage on one device: from its ``LOAD`` to its ``DROP`` in the plan.
+
+    Attributes:
+        device_index: the device.
+        stage_index: the stage.
+        round_index: which dispatch of this stage (microbatch round, by first microbatch).
+        load_position: position of the ``LOAD`` in the device's plan list.
+        room: ``(stage_index, round_index)`` of the last dispatch the device released before this
+            ``LOAD`` (its ``DROP`` frees the room), ``None`` if none.
+        computes: the dispatch's compute actions, in the device's order.
+    """
+
+    device_index: int
+    stage_index: int
+    round_index: int
+    load_position: int
+    room: tuple[int, int] | None
+    computes: list[Action] = field(default_factory=list)
+
+
+def plan_dispatches(plan: ExecutionPlan) -> list[Dispatch]:
+    """Every dispatch of ``plan``, device by device in list order (cached on the plan)."""
+    cached = plan._meta.get("_dispatches")
+    if cached is not None:
+        return cached
+    out: list[Dispatch] = []
+    for device_index, actions in enumerate(plan.actions):
+        open_: dict[int, Dispatch] = {}
+        last_drop: Dispatch | None = None
+        for position, action in enumerate(actions):
+            if action.kind is ActionKind.LOAD:
+                room = None if last_drop is None else (last_drop.stage_index, id(last_drop))
+                open_[action.stage_index] = Dispatch(device_index, action.stage_index, -1, position, room)
+                out.append(open_[action.stage_index])
+            elif action.kind is ActionKind.DROP:
+                last_drop = open_.pop(action.stage_index)
+            else:
+                open_[action.stage_index].computes.append(action)
+    by_stage: dict[int, list[Dispatch]] = {}
+    for dispatch in out:
+        by_stage.setdefault(dispatch.stage_index, []).append(dispatch)
+    for dispatches in by_stage.values():
+        dispatches.sort(key=lambda x: min((a.microbatch_index for a in x.computes), default=-1))
+        for r, dispatch in enumerate(dispatches):
+            dispatch.round_index = r
+    rounds = {id(x): x.round_index for x in out}
+    for dispatch in out:
+        if dispatch.room is not None:
+            dispatch.room = (dispatch.room[0], rounds[dispatch.room[1]])
+    plan._meta["_dispatches"] = out
+    return out
+
+
+def _present(plan: ExecutionPlan) -> set[int]:
+    got = plan._meta.get("_present")
+    if got is None:
+        got = plan._meta["_present"] = {a.stage_index for acts in plan.actions for a in acts if a.kind.is_compute}
+    return got
+
+
+def input_producer(plan: ExecutionPlan, stage_index: int) -> int | None:
+    """The stage whose ``F`` produces the input of ``stage_index``'s ``F``/``X``/``R``; ``None`` when
+    the input comes from the host (the batch, or boundaries saved by an earlier program)."""
+    table = plan._meta.setdefault("_input_producer", {})
+    if stage_index not in table:
+        table[stage_index] = _input_producer(plan, stage_index)
+    return table[stage_index]
+
+
+def _input_producer(plan: ExecutionPlan, stage_index: int) -> int | None:
+    spec = plan.stages[stage_index]
+    present = _present(plan)
+    forward = [s for s in plan.forward_stages if s.stage_index in present]
+    if spec.kind == "forward":
+        earlier = [s for s in forward if s.layers.stop == spec.layers.start]
+        return earlier[0].stage_index if earlier else None
+    start = spec.layers.start
+    if start == 0:
+        return None
+    holder = [s for s in forward if s.layers.start < start <= s.layers.stop]
+    return holder[0].stage_index if holder else None
+
+
+def gradient_producer(plan: ExecutionPlan, stage_index: int) -> int | None:
+    """The stage whose download the gradient upload of ``stage_index``'s ``B`` waits for: the previous
+    backward stage (its ``X``/``B``); for the first backward stage, the last forward stage when the
+    program runs it too (the host turns that output into the loss gradient), else ``None`` (the
+    gradient comes from the host, e.g. the transparent path's backward program)."""
+    table = plan._meta.setdefault("_gradient_producer", {})
+    if stage_index not in table:
+        table[stage_index] = _gradient_producer(plan, stage_index)
+    return table[stage_index]
+
+
+def _gradient_producer(plan: ExecutionPlan, stage_index: int) -> int | None:
+    backward = plan.backward_stages
+    position = [s.stage_index for s in backward].index(stage_index)
+    if position == 0:
+        # the host computes the loss gradient from the last forward output: in a program that also
+        # runs the forward stages (not fused), the upload waits for that output's download
+        present = [s for s in plan.forward_stages if s.stage_index in _present(plan)]
+        ends = [s for s in present if s.layers.stop == plan.stages[stage_index].layers.stop]
+        return ends[0].stage_index if ends else None
+    if backward[position - 1].stage_index not in _present(plan):
+        return None
+    return backward[position - 1].stage_index

@@ -30,7 +30,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping
 
-from lightning_roundpipe.schedule.plan import ExecutionPlan, PlanValidationError
+from lightning_roundpipe.schedule.ir import ActionKind
+from lightning_roundpipe.schedule.plan import (ExecutionPlan, PlanValidationError, gradient_producer, input_producer,
+                                               plan_dispatches)
 
 STREAMS: tuple[str, ...] = ("weights", "h2d", "compute", "d2h")
 
@@ -222,8 +224,6 @@ class StreamProgram:
             PlanValidationError: naming each problem, with the per-stream grid and the failing op
                 marked.
         """
-        from lightning_roundpipe.schedule.lower import required_predecessors
-
         problems: list[str] = []
         marked: Op | None = None
         seen: set[Op] = set()
@@ -336,3 +336,62 @@ class StreamProgram:
 
     def __str__(self) -> str:
         return self.format_grid()
+
+
+def required_predecessors(program: StreamProgram, op: Op) -> list[Op]:
+    """What ``op`` reads or frees, as the ops that must finish first (derived from the plan and the
+    ops' meaning, never from the program's edges; :meth:`StreamProgram.validate` checks each one is
+    implied by the edges and stream order)."""
+    table = program._cache.get("required")
+    if table is None:
+        table = program._cache["required"] = _required_table(program)
+    return table.get(op, [])
+
+
+def _required_table(program: StreamProgram) -> dict[Op, list[Op]]:
+    plan = program.plan
+    need: dict[Op, list[Op]] = {}
+    present = {op for _, _, _, op in program.ops()}
+    chunks: dict[tuple[int, int], list[Op]] = {}
+    for op in present:
+        if op.kind is OpKind.LOAD:
+            chunks.setdefault((op.stage_index, op.round_index), []).append(op)
+    for dispatch in plan_dispatches(plan):
+        s, r = dispatch.stage_index, dispatch.round_index
+        mine = chunks.get((s, r), [])
+        if not mine:
+            raise PlanValidationError(f"stage {s} (round {r}) is loaded by the plan but has no `LOAD` chunk in the program")
+        first_chunk = min(mine, key=lambda c: c.chunk_index)
+        if dispatch.room is not None:
+            need.setdefault(first_chunk, []).append(Op(OpKind.DROP, dispatch.room[0], None, None, dispatch.room[1]))
+        released = Op(OpKind.DROP, s, None, None, r)
+        if released not in present:
+            raise PlanValidationError(f"stage {s} (round {r}) is loaded but never released (no `{released}`)")
+        for action in dispatch.computes:
+            m = action.microbatch_index
+            compute = Op(OpKind(action.kind.value), s, m)
+            first = Op(OpKind.R, s, m) if (action.kind is ActionKind.B and program.recompute != "none") else compute
+            need.setdefault(first, []).extend(mine)
+            need.setdefault(released, []).append(compute)
+            if action.kind is ActionKind.W:
+                need.setdefault(compute, []).append(Op(OpKind.B, s, m))
+                continue
+            upload = Op(OpKind.H2D, s, m)
+            need.setdefault(first, []).append(upload)
+            producer = input_producer(plan, s)
+            if producer is not None:
+                need.setdefault(upload, []).append(Op(OpKind.D2H, producer, m))
+            if action.kind is ActionKind.B:
+                grad = Op(OpKind.GH2D, s, m)
+                need.setdefault(compute, []).extend([grad] if first == compute else [first, grad])
+                if program.recompute == "late":
+                    need.setdefault(first, []).append(grad)
+                source = gradient_producer(plan, s)
+                if source is not None:
+                    need.setdefault(grad, []).append(Op(OpKind.D2H, source, m))
+            need.setdefault(Op(OpKind.D2H, s, m), []).append(compute)
+            if plan.stages[s].kind == "backward":
+                need.setdefault(Op(OpKind.WD2H, s, None, None, r), []).append(compute)
+        if plan.stages[s].kind == "backward":
+            need.setdefault(released, []).append(Op(OpKind.WD2H, s, None, None, r))
+    return need

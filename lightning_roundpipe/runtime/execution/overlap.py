@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -34,9 +34,6 @@ from lightning_roundpipe.runtime.execution.autograd import attach
 from lightning_roundpipe.runtime.execution.microbatch import merge_leaves
 from lightning_roundpipe.runtime.execution.run_state import PipelineState, ProgramRun
 from lightning_roundpipe.schedule.program import Op, OpKind
-
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
 
 
 @dataclass
@@ -70,10 +67,11 @@ class StepOverlap:
     """The engine's runs in flight across fused calls (see the module docstring).
 
     Args:
-        engine: the :class:`~lightning_roundpipe.runtime.execution.engine.RoundPipeEngine`.
+        engine: the :class:`~lightning_roundpipe.runtime.execution.engine.RoundPipeEngine` (passed in;
+            this module does not import it: engine.py imports this one).
     """
 
-    def __init__(self, engine: "RoundPipeEngine") -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.pending: list[_Pending] = []
         self._open: list[_Pending] = []  # calls whose gradients are not in .grad yet

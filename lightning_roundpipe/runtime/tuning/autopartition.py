@@ -1,7 +1,7 @@
 """The simulator's view of a running engine (DESIGN.md section 6): the automatic partition, where
 after the profiled steps the candidate partitions, each with the candidate microbatch rounds, are
-timed by the simulator on the measured layer times and the fastest wins; and the prediction of the
-steps the engine runs.
+timed by the simulator on the measured layer times and the fastest wins; with a fixed partition, the
+dispatch rule chosen the same way (:func:`follow_profiles`); and the prediction of the steps the engine runs.
 
 Functions of a :class:`~lightning_roundpipe.runtime.execution.engine.RoundPipeEngine` (passed in; this module
 does not import it); :func:`fused_stages` is also the engine's fused-path stage list.
@@ -16,10 +16,11 @@ from typing import Any, Sequence
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.execution.microbatch import split_sizes
-from lightning_roundpipe.runtime.tuning.mixed import (build_plan, compares_rules, describe_speeds, device_stage_budgets,
-                                                      set_dispatch_rule)
+from lightning_roundpipe.runtime.tuning.mixed import (_drop_plans, build_plan, compares_rules, describe_speeds,
+                                                      device_stage_budgets, set_dispatch_rule)
 from lightning_roundpipe.runtime.tuning.optimizer_mode import measured_optimizer_rate, mode_step_s
 from lightning_roundpipe.schedule import build_stages, default_stage_ranges
+from lightning_roundpipe.schedule.dispatch import DISPATCH_RULES
 
 
 def fused_stages(partition: PartitionPlan):
@@ -362,6 +363,47 @@ def simulated_step_s(engine: Any, partition: PartitionPlan, profiles: Sequence[L
                   for p in plans)
     return mode_step_s(engine, drained, stages, profiles, microbatches_per_round, num_microbatches,
                        plans[0]._meta.get("builder", {}).get("dispatch"))
+
+
+def follow_profiles(engine: Any) -> None:
+    """Call between steps. Once the measured profiles arrive (or change): with a fixed partition
+    (no automatic choice runs) and ``dispatch="auto"`` on unequal devices, choose the rule here
+    (:func:`choose_rule`); under the weighted rule, drop the cached plans, so the next plans balance
+    the measured stage costs instead of the layer-count estimate."""
+    profiles = engine.measured_profiles
+    if profiles is None or getattr(engine, "_dispatch_profiles", None) is profiles:
+        return
+    engine._dispatch_profiles = profiles
+    if engine.auto_partition_after_steps is None and engine._last_call is not None and compares_rules(engine):
+        choose_rule(engine, profiles)
+    if getattr(engine, "dispatch_rule", "round_robin") == "weighted":
+        _drop_plans(engine)
+
+
+def choose_rule(engine: Any, profiles: Sequence[Any]) -> str:
+    """The dispatch rule for the engine's own partition and rounds: both rules timed by the simulator
+    on the last call's shape (:func:`simulated_step_s`), the weighted one taken when :data:`DISPATCH_MARGIN`
+    faster; reported through ``engine.info`` and set
+    (:func:`~lightning_roundpipe.runtime.tuning.mixed.set_dispatch_rule`)."""
+    times = {}
+    for rule in DISPATCH_RULES:
+        try:
+            times[rule] = simulated_step_s(engine, engine.partition, profiles, engine.microbatches_per_round,
+                                           engine.split_num_microbatches, dispatch_rule=rule)
+        except ValueError:  # the weighted rule: a stage no device's memory holds
+            continue
+    plain, weighted = times.get("round_robin"), times.get("weighted")
+    rule = "weighted" if weighted is not None and (plain is None or weighted < (1 - DISPATCH_MARGIN) * plain) else "round_robin"
+    shown = {name: "n/a" if value is None else f"{value * 1e3:.1f} ms" for name, value in (("weighted", weighted),
+                                                                                          ("round robin", plain))}
+    gain = ("" if None in (plain, weighted) else f", {100 * (1 - weighted / plain):.1f}% faster" if weighted <= plain
+            else f", {100 * (weighted / plain - 1):.1f}% slower")
+    engine.info(f"RoundPipe: dispatch {rule.replace('_', ' ')} for the fixed partition (device speeds"
+                f" {describe_speeds(engine)}): simulated step weighted {shown['weighted']} vs round robin"
+                f" {shown['round robin']}{gain}" + ("" if rule == "weighted" or weighted is None
+                                                   else f", under the {100 * DISPATCH_MARGIN:.0f}% margin"))
+    set_dispatch_rule(engine, rule)
+    return rule
 
 
 def hardware_model(engine: Any):

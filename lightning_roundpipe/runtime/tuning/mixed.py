@@ -36,7 +36,7 @@ from lightning_roundpipe.schedule import ExecutionPlan, build_roundpipe_plan
 from lightning_roundpipe.schedule.dispatch import DISPATCH_RULES, DispatchPolicy
 
 __all__ = ["DISPATCH_MODES", "SPEED_TOLERANCE", "build_plan", "compares_rules", "configure_devices", "describe_devices",
-           "choose_rule", "describe_speeds", "device_stage_budgets", "dispatch_policy", "follow_profiles", "measure_device_speeds", "set_dispatch_rule"]
+           "describe_speeds", "device_stage_budgets", "dispatch_policy", "measure_device_speeds", "set_dispatch_rule"]
 
 #: Values of ``RoundPipeConfig.dispatch``: ``"auto"`` or a fixed rule.
 DISPATCH_MODES = ("auto",) + DISPATCH_RULES
@@ -265,49 +265,6 @@ def build_plan(engine: Any, stages: Sequence[Any], num_microbatches: int, cursor
     return build_roundpipe_plan(stages, len(engine.backends), num_microbatches, cursor,
                                 microbatches_per_round=microbatches_per_round,
                                 dispatch=dispatch_policy(engine, stages, rule))
-
-
-def follow_profiles(engine: Any) -> None:
-    """Call between steps. Once the measured profiles arrive (or change): with a fixed partition
-    (no automatic choice runs) and ``dispatch="auto"`` on unequal devices, choose the rule here
-    (:func:`choose_rule`); under the weighted rule, drop the cached plans, so the next plans balance
-    the measured stage costs instead of the layer-count estimate."""
-    profiles = engine.measured_profiles
-    if profiles is None or getattr(engine, "_dispatch_profiles", None) is profiles:
-        return
-    engine._dispatch_profiles = profiles
-    if engine.auto_partition_after_steps is None and engine._last_call is not None and compares_rules(engine):
-        choose_rule(engine, profiles)
-    if getattr(engine, "dispatch_rule", "round_robin") == "weighted":
-        _drop_plans(engine)
-
-
-def choose_rule(engine: Any, profiles: Sequence[Any]) -> str:
-    """The dispatch rule for the engine's own partition and rounds: both rules timed by the simulator
-    on the last call's shape (:func:`~lightning_roundpipe.runtime.tuning.autopartition.simulated_step_s`),
-    the weighted one taken when :data:`~lightning_roundpipe.runtime.tuning.autopartition.DISPATCH_MARGIN`
-    faster; reported through ``engine.info`` and set (:func:`set_dispatch_rule`)."""
-    from lightning_roundpipe.runtime.tuning.autopartition import DISPATCH_MARGIN, simulated_step_s
-
-    times = {}
-    for rule in DISPATCH_RULES:
-        try:
-            times[rule] = simulated_step_s(engine, engine.partition, profiles, engine.microbatches_per_round,
-                                           engine.split_num_microbatches, dispatch_rule=rule)
-        except ValueError:  # the weighted rule: a stage no device's memory holds
-            continue
-    plain, weighted = times.get("round_robin"), times.get("weighted")
-    rule = "weighted" if weighted is not None and (plain is None or weighted < (1 - DISPATCH_MARGIN) * plain) else "round_robin"
-    shown = {name: "n/a" if value is None else f"{value * 1e3:.1f} ms" for name, value in (("weighted", weighted),
-                                                                                          ("round robin", plain))}
-    gain = ("" if None in (plain, weighted) else f", {100 * (1 - weighted / plain):.1f}% faster" if weighted <= plain
-            else f", {100 * (weighted / plain - 1):.1f}% slower")
-    engine.info(f"RoundPipe: dispatch {rule.replace('_', ' ')} for the fixed partition (device speeds"
-                f" {describe_speeds(engine)}): simulated step weighted {shown['weighted']} vs round robin"
-                f" {shown['round robin']}{gain}" + ("" if rule == "weighted" or weighted is None
-                                                   else f", under the {100 * DISPATCH_MARGIN:.0f}% margin"))
-    set_dispatch_rule(engine, rule)
-    return rule
 
 
 def describe_speeds(engine: Any) -> str:
