@@ -184,6 +184,50 @@ def test_kept_inputs_released_with_the_graph():
     assert counter.allocations[0] > 0 and counter.allocations == [counter.allocations[0]] * 4
 
 
+# ---------------------------------------------------------------------- overlapped batches
+class BackwardTwice(L.LightningModule):
+    """Automatic optimization whose ``backward`` hook goes twice through the graph (``retain_graph=True``
+    first), or once keeping it (``twice=False``): the only way to retain a graph where the strategy
+    overlaps a batch's drain with the next batch (manual optimization never overlaps)."""
+
+    def __init__(self, twice: bool = True, retain: bool = True) -> None:
+        super().__init__()
+        self.hf, self.twice, self.retain = True, twice, retain
+        self.model = tiny_hf(layers=3)
+        self.seen: list = []
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def backward(self, loss, *args, **kwargs):
+        loss.backward(retain_graph=self.retain)
+        if self.twice:
+            (2.0 * loss).backward()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_retain_graph_on_overlapped_accumulated_batches_equal_default():
+    """``accumulate_grad_batches=2``: a batch that does not step the optimizer drains while the next
+    runs; a retained graph on it finishes its run at the backward and adds its buffers once per backward."""
+    want, _ = _fit(BackwardTwice, "auto", steps=1, accumulate_grad_batches=2)
+    got, _ = _fit(BackwardTwice, lightning_roundpipe.RoundPipeStrategy(num_microbatches=3), steps=1, accumulate_grad_batches=2)
+    assert max_diff(got, want) <= TOL
+
+
+def test_async_steady_state_one_retained_backward_and_a_second_refused():
+    """``optimizer="async"`` (every batch overlaps the next): one backward keeping the graph trains as one
+    without it (the oracle: the same strategy); a second backward through that batch raises at once,
+    naming `retain_graph` (its gradients were handed to the optimizer thread at the first)."""
+    async_ = lambda: lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, optimizer="async")  # noqa: E731
+    want, _ = _fit(lambda: BackwardTwice(twice=False, retain=False), async_(), steps=3)
+    got, _ = _fit(lambda: BackwardTwice(twice=False), async_(), steps=3)
+    assert max_diff(got, want) == 0.0
+    with pytest.raises(ValueError, match=r"second backward \(`retain_graph=True` before\).*optimizer='async'.*HINT"):
+        _fit(BackwardTwice, async_(), steps=3)
+
+
 # ---------------------------------------------------------------------- after the graph was freed
 def _backward_twice(model: nn.Module, loss_of) -> RuntimeError:
     loss = loss_of(model)

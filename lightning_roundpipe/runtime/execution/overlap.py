@@ -271,7 +271,15 @@ class StepOverlap:
             g = grads[0]
             if g is None:
                 return [None] * len(input_grads)
-            if pending is not None and not (retain or retained):  # overlapped: added when the run is finished (now, if it is)
+            steady = engine.on_gradients_complete is not None  # the asynchronous steady state hands them on
+            if pending is not None and steady and pending.grad is not None:
+                raise ValueError(
+                    "A second backward (`retain_graph=True` before) through a RoundPipe batch whose pipeline overlaps"
+                    " the next is not supported with `RoundPipeStrategy(optimizer='async')`: the batch's gradients were"
+                    " handed to the optimizer thread at its first backward. HINT: backward once per batch (sum the"
+                    " losses), or use `optimizer='sync'`.")
+            if pending is not None and (steady or not (retain or retained)):
+                # overlapped: added when the run is finished (now, if it is)
                 pending.grad = g
                 if pending.finished and not pending.added:
                     self._add(pending)
@@ -279,12 +287,6 @@ class StepOverlap:
                 return []
             buffers = sink
             if pending is not None:  # a retained graph: finish the overlapped run and add its buffers here
-                if engine.on_gradients_complete is not None:
-                    raise ValueError(
-                        "`retain_graph=True` through an overlapped RoundPipe batch is not supported with"
-                        " `RoundPipeStrategy(optimizer='async')`: its gradients are handed to the optimizer thread"
-                        " after the batch's one backward. HINT: backward once per batch (sum the losses), or use"
-                        " `optimizer='sync'`.")
                 if not pending.finished:
                     self.drain()
                 buffers = pending.sink  # a rerun on one pool bank has its own buffers
