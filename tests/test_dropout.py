@@ -309,6 +309,30 @@ def _mlp_oracle(model: nn.Sequential, x: torch.Tensor, weights: torch.Tensor, ba
     return out.detach(), grads
 
 
+def test_second_backward_replays_the_forward_masks():
+    """Two backwards through one forward (``retain_graph=True``, then another loss of the same output):
+    both recomputations replay the forward's masks, so the gradient equals the plain-torch gradient of
+    the two losses' sum with the documented masks (another mask in either backward changes it)."""
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(1))
+    w1 = torch.randn(7, 4, generator=torch.Generator().manual_seed(2))
+    w2 = torch.randn(7, 4, generator=torch.Generator().manual_seed(3))
+    model = _dropout_mlp()
+    engine = _engine(make_layer_sequence(model), 2, 3, _MLP_PARTITION)
+    try:
+        torch.manual_seed(11)
+        out = model(x)
+        (out * w1).sum().backward(retain_graph=True)
+        (out * w2).sum().backward()
+    finally:
+        engine.close()
+    base = base_seed_after(11)
+    want_out, want = _mlp_oracle(_dropout_mlp(), x, w1 + w2, base, 3)
+    assert (out.detach() - want_out).abs().max().item() <= 1e-6
+    assert max((p.grad - w).abs().max().item() for p, w in zip(model.parameters(), want)) <= 1e-6
+    _, wrong = _mlp_oracle(_dropout_mlp(), x, w1 + w2, base, 3, microbatch_of=lambda m: (m + 1) % 3)
+    assert max((p.grad - w).abs().max().item() for p, w in zip(model.parameters(), wrong)) > 1e-3
+
+
 @pytest.mark.parametrize("devices", [1, 2, 3])
 def test_gradient_equals_plain_torch_with_the_documented_masks(devices):
     """Recomputation replays the forward's masks: RoundPipe's gradient equals the plain-torch

@@ -131,6 +131,29 @@ def test_moe_transparent_path_and_rounds(engine_kw):
     assert max((grads[k] - ref_grads[k]).abs().max().item() for k in grads) <= TOL
 
 
+def test_second_backward_replays_the_routing():
+    """Two backwards through one transparent-path forward (``retain_graph=True`` first): both
+    recomputations replay the forward's routing; the gradients equal the model's own forward's."""
+    model, batch, _ = _case("gpt_oss", False)
+    reference = copy.deepcopy(model)
+
+    def two_backwards(m):
+        out = m(**batch)
+        out.loss.backward(retain_graph=True)
+        (out.logits.square().mean() + out.aux_loss).backward()
+        return _grads(m)
+
+    want = two_backwards(reference)
+    engine = RoundPipeEngine(make_layer_sequence(model), [torch.device("cpu")] * 2, num_microbatches=3, fused_loss=False)
+    engine.install()
+    try:
+        got = two_backwards(model)
+    finally:
+        engine.close()
+    assert got.keys() == want.keys() and got
+    assert max((got[k] - want[k]).abs().max().item() for k in got) <= TOL
+
+
 def test_aux_loss_off_and_evaluation():
     model = tiny_moe("qwen3_moe", aux=False)
     ref = copy.deepcopy(model)

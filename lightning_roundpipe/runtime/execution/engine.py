@@ -395,19 +395,31 @@ class RoundPipeEngine(HostCalls):
             merged, spec = pytree.tree_flatten(tree)
         if training:
             idx = [i for i, x in enumerate(merged) if isinstance(x, torch.Tensor)]
+            # what the backward needs of the outputs (their ranks): not the attached outputs, whose
+            # node holds this closure (a reference cycle would keep the saved inputs until gc runs)
+            leaves = [torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x for x in merged]
 
-            def run_backward(grads: list) -> list:
-                state.start_backward()
-                full = [None] * len(merged)
+            def run_backward(grads: list, retain: bool) -> list:
+                full = [None] * len(leaves)
                 for i, g in zip(idx, grads):
                     full[i] = g
-                state.final_grads = split_grads(merged, full, sizes)
+                state.final_grads = split_grads(leaves, full, sizes)
                 bcursor = (self._advance(n_bwd) - n_fwd) % len(self.backends)
                 barrier = self.grad_barrier
                 if barrier is not None:
                     state.grad_sink = {}
-                self._run(self.program(m, bcursor, phase="backward"), state)
-                state.acts.clear()
+                # a retained graph keeps the saved stage inputs (host memory) for the next backward,
+                # which runs the backward program again: the program removes each input as it reads it
+                kept = dict(state.acts) if retain else None
+                if state.routing is not None:
+                    state.routing.retain = retain
+                try:
+                    self._run(self.program(m, bcursor, phase="backward"), state)
+                finally:
+                    state.acts.clear()
+                    state.final_grads = None
+                    if kept is not None:
+                        state.acts.update(kept)
                 if barrier is not None:
                     barrier()
                     WeightStore.add_grads(list(state.grad_sink.values()), None, staged=False)

@@ -264,30 +264,50 @@ class StepOverlap:
         sink = state.grad_sink
         input_grads = engine._input_grads(state, batch_leaves, sizes) if pending is None else []
 
-        def run_backward(grads: list) -> list:
-            state.start_backward()
+        retained = False  # a backward with retain_graph=True ran: the buffers are kept for the next one
+
+        def run_backward(grads: list, retain: bool) -> list:
+            nonlocal retained
             g = grads[0]
             if g is None:
                 return [None] * len(input_grads)
-            if pending is not None:  # overlapped: added when the run is finished (now, if it is)
+            steady = engine.on_gradients_complete is not None  # the asynchronous steady state hands them on
+            if pending is not None and steady and pending.grad is not None:
+                raise ValueError(
+                    "A second backward (`retain_graph=True` before) through a RoundPipe batch whose pipeline overlaps"
+                    " the next is not supported with `RoundPipeStrategy(optimizer='async')`: the batch's gradients were"
+                    " handed to the optimizer thread at its first backward. HINT: backward once per batch (sum the"
+                    " losses), or use `optimizer='sync'`.")
+            if pending is not None and (steady or not (retain or retained)):
+                # overlapped: added when the run is finished (now, if it is)
                 pending.grad = g
                 if pending.finished and not pending.added:
                     self._add(pending)
                 jitter_pause()  # the main thread's return (schedule jitter, `execution/jitter.py`)
                 return []
+            buffers = sink
+            if pending is not None:  # a retained graph: finish the overlapped run and add its buffers here
+                if not pending.finished:
+                    self.drain()
+                buffers = pending.sink  # a rerun on one pool bank has its own buffers
             if engine.grad_barrier is not None:
                 engine.grad_barrier()
             if engine.sink_barrier is not None:
-                engine.sink_barrier(sink)
-            for master, buf in sink.values():
+                engine.sink_barrier(buffers)
+            for master, buf in buffers.values():
                 contrib = _scaled(buf, g, seed)
+                if retain:  # the buffer is added again by the next backward: .grad must not be it
+                    contrib = contrib.clone() if contrib is buf else contrib
                 if master.grad is None:
                     master.grad = contrib
                 else:
                     master.grad.add_(contrib)
-            sink.clear()
+            retained = retained or retain
+            if not retain:
+                buffers.clear()
             jitter_pause()
-            return [None if x is None else _scaled(x, g, seed) for x in input_grads]
+            scaled = [None if x is None else _scaled(x, g, seed) for x in input_grads]
+            return [y.clone() if retain and y is not None and any(y is x for x in input_grads) else y for y in scaled]
 
         (loss,) = attach([loss], run_backward, grad_inputs)
         jitter_pause()

@@ -57,22 +57,8 @@ class PipelineState:
     rng_layers: frozenset = frozenset()
     grad_sink: dict | None = None
     loss_seed: float = 1.0
-    backward_done: bool = False
     input_grad_positions: tuple = ()
     routing: RoutingStore | None = None
-
-    def start_backward(self) -> None:
-        """Mark the call's backward as started.
-
-        Raises:
-            RuntimeError: a second backward through the same call (its buffers are freed by the first).
-        """
-        if self.backward_done:
-            raise RuntimeError(
-                "Backward through a RoundPipe pipeline ran twice: its saved activations and gradient buffers are freed"
-                " after the first backward. HINT: do not use `retain_graph=True` across the pipelined model."
-            )
-        self.backward_done = True
 
 
 class ProgramRun:

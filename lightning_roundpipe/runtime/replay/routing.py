@@ -79,6 +79,9 @@ class RoutingStore:
         self._device_totals: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         self.complete = threading.Event()
         """Set once every microbatch's forward has passed every routing layer."""
+        self.retain = False
+        """Set while a backward that keeps the graph (``retain_graph=True``) runs: :meth:`replay` leaves
+        the indices for the next backward's recomputation."""
         if not routing_layers:
             self.complete.set()
 
@@ -109,8 +112,8 @@ class RoutingStore:
 
     def replay(self, key: tuple[int, int, int], device: torch.device,
                wait: Callable[[threading.Event], None] | None = None) -> torch.Tensor:
-        """The indices the forward chose for ``key``, on ``device`` (removed from the store: every
-        (layer, microbatch) is recomputed once).
+        """The indices the forward chose for ``key``, on ``device`` (removed from the store, unless
+        :attr:`retain`: every backward recomputes each (layer, microbatch) once).
 
         A recomputation needs only its stage input, so it may start while the forward of the same
         layer and microbatch still runs on another device: ``wait`` (called with that forward's
@@ -123,7 +126,7 @@ class RoutingStore:
         if not event.is_set() and wait is not None:
             wait(event)
         with self._lock:
-            got = self._indices.pop(key, None)
+            got = self._indices.get(key) if self.retain else self._indices.pop(key, None)
         if got is None:
             raise RuntimeError(
                 f"RoundPipe routing replay: no routing was recorded for layer {key[0]}, microbatch {key[1]},"
