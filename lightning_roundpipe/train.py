@@ -197,6 +197,22 @@ def _log_lightning_once() -> None:
         logging.getLogger("lightning").removeHandler(console)
 
 
+def _say(line: str) -> None:
+    """Print a result line (``val loss before: ...``, ``wall time: ...``) to stdout as it is, and write it
+    to the log files of the root logger (Hydra's ``<output_dir>/train.log``) through their own handlers and
+    format: a ``print`` reaches the console only, and logging it would print it twice on the console."""
+    import logging
+
+    print(line, flush=True)
+    root = logging.getLogger()
+    files = [handler for handler in root.handlers if isinstance(handler, logging.FileHandler)]
+    if files:
+        record = root.makeRecord(__name__, logging.INFO, __file__, 0, line, None, None)
+        for handler in files:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
     """Build data, module, strategy and trainer from ``cfg``; validate, fit, validate.
 
@@ -215,10 +231,15 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         ``bubble_pct`` (mean over devices, %) and ``tokens_per_s``.
 
     Raises:
+        TypeError: if a key of ``cfg.trainer`` or ``cfg.data`` has a value of the wrong type
+            (:func:`~lightning_roundpipe.recipes.config_check.check_config_types`).
         ValueError: if the validation set is empty (no ``val/loss`` logged).
     """
     import lightning.pytorch as pl
 
+    from lightning_roundpipe.recipes.config_check import check_config_types
+
+    check_config_types(cfg)  # a wrong type names its key here, before the model loads
     _log_lightning_once()
     os.environ.setdefault("WANDB_MODE", "offline")
     start = time.perf_counter() if start_s is None else start_s
@@ -246,7 +267,7 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         t = time.perf_counter()
         before = validate()
         times["validate_before_s"] = time.perf_counter() - t
-        print(f"val loss before: {before:.4f}", flush=True)
+        _say(f"val loss before: {before:.4f}")
 
         t = time.perf_counter()
         trainer.fit(module, datamodule=datamodule)
@@ -257,12 +278,9 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         after = validate()
         times["validate_after_s"] = time.perf_counter() - t
         times["total_s"] = time.perf_counter() - start
-        print(f"val loss after: {after:.4f}", flush=True)
-        print(
-            f"wall time: {times['total_s']:.1f} s (load {times['load_s']:.1f} s, validate {times['validate_before_s']:.1f}"
-            f" + {times['validate_after_s']:.1f} s, fit {times['fit_s']:.1f} s for {trainer.global_step} steps)",
-            flush=True,
-        )
+        _say(f"val loss after: {after:.4f}")
+        _say(f"wall time: {times['total_s']:.1f} s (load {times['load_s']:.1f} s, validate {times['validate_before_s']:.1f}"
+             f" + {times['validate_after_s']:.1f} s, fit {times['fit_s']:.1f} s for {trainer.global_step} steps)")
         summary = {"val/loss_before": before, "val/loss_after": after, **{f"time/{k}": v for k, v in times.items()}}
         for logger in trainer.loggers:
             logger.log_metrics(summary, step=trainer.global_step)
@@ -271,7 +289,7 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         if cfg.get("save_adapter") and hasattr(module.model, "peft_config"):
             adapter_dir = Path(cfg.paths.output_dir) / "adapter"
             module.model.save_pretrained(adapter_dir)
-            print(f"LoRA adapter saved to {adapter_dir}", flush=True)
+            _say(f"LoRA adapter saved to {adapter_dir}")
         exit_code = 0
         return {"val_loss_before": before, "val_loss_after": after, **times, "global_step": float(trainer.global_step),
                 **step}

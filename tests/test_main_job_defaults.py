@@ -220,3 +220,39 @@ def test_fused_adamw_updates_reach_the_devices_under_bf16_mixed(fused: bool) -> 
     update = ref - before
     assert torch.equal(same, before) and update.norm() > 0
     assert relative(got - before, update) <= 2 * DEPTH * STEPS * unit_roundoff(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------- config types (issue 31)
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("trainer.max_steps=two", "trainer.max_steps='two'", "`int`"),
+    ("trainer.limit_val_batches=all", "trainer.limit_val_batches='all'", "`int | float | None`"),
+    ("trainer.enable_progress_bar=3", "trainer.enable_progress_bar=3", "`bool | None`"),
+    ("data.batch_size=eight", "data.batch_size='eight'", "`int`"),
+])
+def test_wrong_config_type_names_its_key(tmp_path: Path, override: str, key: str, expected: str) -> None:
+    """A command-line value of the wrong type fails at once with a `TypeError` naming the key, its value and
+    the type the target's parameter takes (Lightning's own error, `'<' not supported between instances of
+    'str' and 'int'`, named none), before the model is loaded. Oracle: the annotations of
+    `lightning.pytorch.Trainer.__init__` and `ShakespeareDataModule.__init__`."""
+    from lightning_roundpipe.train import run
+
+    cfg = _compose("model=tiny_lora", override, f"paths.output_dir={tmp_path}")
+    with pytest.raises(TypeError, match="HINT") as error:
+        run(cfg)
+    assert f"`{key}`" in str(error.value) and expected in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    (), ("experiment=ci",), ("trainer.devices=3", "trainer.precision=bf16-mixed", "trainer.limit_val_batches=0.5"),
+    ("trainer.val_check_interval=100", "trainer.deterministic=warn", "trainer.gradient_clip_val=1", "trainer.precision=32"),
+    ("+trainer.max_time=00:00:10:00", "data.files=[hamlet_gut.txt,macbeth_gut.txt]", "data.val_blocks=null"),
+])
+def test_valid_config_types_pass(tmp_path: Path, overrides: tuple[str, ...]) -> None:
+    """The default config, the CI preset and valid overrides of each kind of annotation pass the check; each
+    is also what Lightning's `Trainer` accepts (oracle: building it)."""
+    from lightning_roundpipe.recipes.config_check import check_config_types
+
+    cfg = _compose(*overrides, f"paths.output_dir={tmp_path}")
+    check_config_types(cfg)
+    build_trainer(cfg, "auto", [], [], devices=1, enable_progress_bar=False)
