@@ -256,3 +256,27 @@ def test_valid_config_types_pass(tmp_path: Path, overrides: tuple[str, ...]) -> 
     cfg = _compose(*overrides, f"paths.output_dir={tmp_path}")
     check_config_types(cfg)
     build_trainer(cfg, "auto", [], [], devices=1, enable_progress_bar=False)
+
+
+def test_mask_builder_called_without_deprecated_keyword() -> None:
+    """The HF adapter calls transformers' `create_causal_mask` with its current keyword only (`cache`; both it and
+    the deprecated `past_key_values` gave a FutureWarning, "Both `past_key_values` and `cache` are set", on
+    every run). Oracle: the call under `warnings.simplefilter("error")` and the model's own mask."""
+    import warnings
+
+    from transformers import masking_utils
+
+    from _helpers import tiny_hf
+    from lightning_roundpipe.adapters.hf_causal_lm import _mask_call
+
+    model = tiny_hf("llama")
+    hidden = torch.zeros(2, 8, model.config.hidden_size)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0  # padding: an explicit mask
+    positions = torch.arange(8).unsqueeze(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _mask_call(masking_utils.create_causal_mask, model.config, hidden, mask, positions)
+    expected = masking_utils.create_causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=mask,
+                                                cache=None, position_ids=positions)
+    assert torch.equal(got, expected)
