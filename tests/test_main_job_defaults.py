@@ -280,3 +280,30 @@ def test_mask_builder_called_without_deprecated_keyword() -> None:
     expected = masking_utils.create_causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=mask,
                                                 cache=None, position_ids=positions)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("given,import_torch_first,expected", [
+    (None, False, ("set", "PASSIVE")), ("ACTIVE", False, ("given", "ACTIVE")), (None, True, ("late", None)),
+])
+def test_app_sets_passive_openmp_before_torch(given: str | None, import_torch_first: bool,
+                                              expected: tuple[str, str | None]) -> None:
+    """Issue 31: the app sets `OMP_WAIT_POLICY=PASSIVE` when it is imported before torch (libgomp reads the
+    variable when torch loads it), keeps a value the user gave, and only suggests it (a line with a HINT)
+    where torch came first. Oracle: the environment and `sys.modules` of a fresh interpreter."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    code = ("import sys, os\n" + ("import torch\n" if import_torch_first else "") +
+            "import lightning_roundpipe.train as app\n"
+            "print(app._OPENMP, os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    state, value, torch_loaded = out.stdout.split()
+    assert (state, None if value == "None" else value) == expected
+    assert torch_loaded == str(import_torch_first)  # the app itself imports no torch before the setting
+    from lightning_roundpipe.train import _OPENMP_LINES
+
+    assert "HINT: `export OMP_WAIT_POLICY=PASSIVE`" in _OPENMP_LINES["late"]
