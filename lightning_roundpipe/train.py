@@ -14,9 +14,42 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+
+def _passive_openmp() -> str:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` for this process where that still takes effect; returns what happened
+    (``"set"``, ``"given"``: the user's value is kept, ``"late"``: torch was imported first).
+
+    libgomp (torch's OpenMP) reads the variable once, when torch is imported; by default the threads of
+    an OpenMP team spin at every join waiting for cores. On a CPU shared with other busy processes they
+    spin for cores others hold: the host optimizer step on the main job's 1.8 M LoRA parameters took
+    0.4-1.1 s on average (up to 2.3 s) against 0.024 s with ``PASSIVE`` (docs/usage.md, "A CPU shared
+    with other busy processes"). Waiting threads then sleep instead: a wake-up of microseconds per
+    parallel region on an idle machine. ``python -m lightning_roundpipe.train`` and ``roundpipe train``
+    import this module before torch, so the setting applies to them."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return "given"
+    if "torch" in sys.modules:
+        return "late"
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "set"
+
+
+_OPENMP = _passive_openmp()
+"""What :func:`_passive_openmp` did at import (said in one line when the job starts)."""
+
+_OPENMP_LINES = {
+    "set": "OpenMP: OMP_WAIT_POLICY=PASSIVE (set by the app before torch was imported: threads waiting at a join"
+           " sleep instead of spinning for cores that other processes hold; docs/usage.md). Keep libgomp's"
+           " default with OMP_WAIT_POLICY=ACTIVE.",
+    "late": "OpenMP: OMP_WAIT_POLICY is not set, and torch was imported before the app could set it: on a CPU"
+            " shared with other busy processes the host optimizer step can take seconds (docs/usage.md)."
+            " HINT: `export OMP_WAIT_POLICY=PASSIVE` before starting Python.",
+}
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -252,6 +285,22 @@ def _sigterm_exit(exc: BaseException) -> int:
     return code if isinstance(code, int) and code != 0 else 128 + int(signal.SIGTERM)
 
 
+def _say(line: str) -> None:
+    """Print a result line (``val loss before: ...``, ``wall time: ...``) to stdout as it is, and write it
+    to the log files of the root logger (Hydra's ``<output_dir>/train.log``) through their own handlers and
+    format: a ``print`` reaches the console only, and logging it would print it twice on the console."""
+    import logging
+
+    print(line, flush=True)
+    root = logging.getLogger()
+    files = [handler for handler in root.handlers if isinstance(handler, logging.FileHandler)]
+    if files:
+        record = root.makeRecord(__name__, logging.INFO, __file__, 0, line, None, None)
+        for handler in files:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
     """Build data, module, strategy and trainer from ``cfg``; validate, fit, validate.
 
@@ -272,13 +321,22 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         ``bubble_pct`` (mean over devices, %) and ``tokens_per_s``.
 
     Raises:
+        TypeError: if a key of ``cfg.trainer`` or ``cfg.data`` has a value of the wrong type
+            (:func:`~lightning_roundpipe.recipes.config_check.check_config_types`).
         ValueError: if the validation set is empty (no ``val/loss`` logged).
         SystemExit: with code 143 after a SIGTERM (the checkpoint saved), 1 after Ctrl+C (Lightning's).
     """
     import lightning.pytorch as pl
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from lightning_roundpipe.recipes.config_check import check_config_types
+
+    check_config_types(cfg)  # a wrong type names its key here, before the model loads
     _log_lightning_once()
+    if _OPENMP in _OPENMP_LINES:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        rank_zero_info(_OPENMP_LINES[_OPENMP])
     os.environ.setdefault("WANDB_MODE", "offline")
     start = time.perf_counter() if start_s is None else start_s
     pl.seed_everything(cfg.seed, workers=True)
@@ -305,7 +363,7 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         t = time.perf_counter()
         before = validate()
         times["validate_before_s"] = time.perf_counter() - t
-        print(f"val loss before: {before:.4f}", flush=True)
+        _say(f"val loss before: {before:.4f}")
 
         t = time.perf_counter()
         ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), trainer)
@@ -320,12 +378,9 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         after = validate()
         times["validate_after_s"] = time.perf_counter() - t
         times["total_s"] = time.perf_counter() - start
-        print(f"val loss after: {after:.4f}", flush=True)
-        print(
-            f"wall time: {times['total_s']:.1f} s (load {times['load_s']:.1f} s, validate {times['validate_before_s']:.1f}"
-            f" + {times['validate_after_s']:.1f} s, fit {times['fit_s']:.1f} s for {trainer.global_step} steps)",
-            flush=True,
-        )
+        _say(f"val loss after: {after:.4f}")
+        _say(f"wall time: {times['total_s']:.1f} s (load {times['load_s']:.1f} s, validate {times['validate_before_s']:.1f}"
+             f" + {times['validate_after_s']:.1f} s, fit {times['fit_s']:.1f} s for {trainer.global_step} steps)")
         summary = {"val/loss_before": before, "val/loss_after": after, **{f"time/{k}": v for k, v in times.items()}}
         for logger in trainer.loggers:
             logger.log_metrics(summary, step=trainer.global_step)
@@ -334,7 +389,7 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         if cfg.get("save_adapter") and hasattr(module.model, "peft_config"):
             adapter_dir = Path(cfg.paths.output_dir) / "adapter"
             module.model.save_pretrained(adapter_dir)
-            print(f"LoRA adapter saved to {adapter_dir}", flush=True)
+            _say(f"LoRA adapter saved to {adapter_dir}")
         exit_code = 0
         return {"val_loss_before": before, "val_loss_after": after, **times, "global_step": float(trainer.global_step),
                 **step}

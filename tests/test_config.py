@@ -87,6 +87,19 @@ def test_experiment_ci_reduces_the_run() -> None:
     assert ci.strategy._target_ == default.strategy._target_  # still RoundPipe
 
 
+@pytest.mark.parametrize("experiment", [None, "ci", "first_run"])
+def test_validation_sized_with_the_run(experiment: str | None) -> None:
+    """Issue 31: `trainer.max_steps=3` on the default config spent 73 % of its time in two full 128-block
+    validations. In every preset the two validations (forward only, `2 x val_blocks` blocks) are no more
+    work than the training steps (forward, recomputation and backward: 3 x `max_steps x batch_size`
+    blocks); `experiment=first_run` is the short run on the real model (3 steps, a smaller validation)."""
+    cfg = _compose(*([f"experiment={experiment}"] if experiment else []))
+    assert 2 * cfg.data.val_blocks <= 3 * cfg.trainer.max_steps * cfg.data.batch_size
+    if experiment == "first_run":
+        assert cfg.trainer.max_steps == cfg.strategy.profile_steps  # the automatic plan is chosen and announced
+        assert cfg.data.val_blocks % cfg.data.val_batch_size == 0  # whole validation batches
+
+
 def test_trainer_and_logger_instantiate(tmp_path: Path) -> None:
     cfg = _compose("trainer.max_steps=5", "trainer.precision=bf16-mixed", f"paths.output_dir={tmp_path}")
     logger = instantiate(cfg.logger.wandb)  # the W&B run starts lazily, not here

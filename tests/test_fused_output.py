@@ -76,7 +76,7 @@ def test_script_shows_the_announcement_and_the_fused_warning_once(kind: str, tmp
     text = out.stdout + out.stderr
     assert "DONE" in out.stdout
     # validate, then fit: the same plan is announced once
-    assert text.count("RoundPipe: pipelining `LlamaForCausalLM` (llama, 7 layers) on 2 device(s)") == 1, text
+    assert text.count("RoundPipe: pipelining `LlamaForCausalLM` (llama, 5 decoder layers + prefix and tail: 7 layers) on 2 device(s)") == 1, text
     assert "3 microbatches" in text and "stage  kind" in text and "tail(norm,lm_head,loss)" in text
     assert text.count("on the fused path") == 1, text
     assert "RoundPipeStrategy(fused_loss=False)" in text

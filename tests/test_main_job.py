@@ -115,6 +115,14 @@ def test_tiny_job(tmp_path: Path) -> None:
     assert stdout.count("RoundPipe: pipelining `LlamaForCausalLM`") == 1, stdout
     assert stdout.count("Seed set to 42") == 1 and stdout.count("`Trainer.fit` stopped") == 1, stdout
     assert stdout.count("on the fused path") == 1, stdout
+    # issue 31: the layer count names the decoder layers (tiny_lora.yaml: num_hidden_layers=2) apart from the
+    # embedding prefix and the tail; no FutureWarning from transformers (the mask builders' `cache`, peft's read
+    # of `is_gradient_checkpointing`); the result lines reach Hydra's train.log too
+    assert "(llama, 2 decoder layers + prefix and tail: 4 layers)" in stdout, stdout[-3000:]
+    assert "FutureWarning" not in stdout, stdout[-3000:]
+    log = (run_dir / "train.log").read_text()
+    results = re.findall(r"^((?:val loss before|val loss after|wall time): .*)$", stdout, re.MULTILINE)
+    assert len(results) == 3 and all(line in log for line in results), (results, log[-2000:])
 
 
 @pytest.mark.slow  # ~25-40 s (the app twice in a subprocess): in `-m slow`, which CI runs

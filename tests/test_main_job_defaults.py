@@ -220,3 +220,90 @@ def test_fused_adamw_updates_reach_the_devices_under_bf16_mixed(fused: bool) -> 
     update = ref - before
     assert torch.equal(same, before) and update.norm() > 0
     assert relative(got - before, update) <= 2 * DEPTH * STEPS * unit_roundoff(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------- config types (issue 31)
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("trainer.max_steps=two", "trainer.max_steps='two'", "`int`"),
+    ("trainer.limit_val_batches=all", "trainer.limit_val_batches='all'", "`int | float | None`"),
+    ("trainer.enable_progress_bar=3", "trainer.enable_progress_bar=3", "`bool | None`"),
+    ("data.batch_size=eight", "data.batch_size='eight'", "`int`"),
+])
+def test_wrong_config_type_names_its_key(tmp_path: Path, override: str, key: str, expected: str) -> None:
+    """A command-line value of the wrong type fails at once with a `TypeError` naming the key, its value and
+    the type the target's parameter takes (Lightning's own error, `'<' not supported between instances of
+    'str' and 'int'`, named none), before the model is loaded. Oracle: the annotations of
+    `lightning.pytorch.Trainer.__init__` and `ShakespeareDataModule.__init__`."""
+    from lightning_roundpipe.train import run
+
+    cfg = _compose("model=tiny_lora", override, f"paths.output_dir={tmp_path}")
+    with pytest.raises(TypeError, match="HINT") as error:
+        run(cfg)
+    assert f"`{key}`" in str(error.value) and expected in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    (), ("experiment=ci",), ("trainer.devices=3", "trainer.precision=bf16-mixed", "trainer.limit_val_batches=0.5"),
+    ("trainer.val_check_interval=100", "trainer.deterministic=warn", "trainer.gradient_clip_val=1", "trainer.precision=32"),
+    ("+trainer.max_time=00:00:10:00", "data.files=[hamlet_gut.txt,macbeth_gut.txt]", "data.val_blocks=null"),
+])
+def test_valid_config_types_pass(tmp_path: Path, overrides: tuple[str, ...]) -> None:
+    """The default config, the CI preset and valid overrides of each kind of annotation pass the check; each
+    is also what Lightning's `Trainer` accepts (oracle: building it)."""
+    from lightning_roundpipe.recipes.config_check import check_config_types
+
+    cfg = _compose(*overrides, f"paths.output_dir={tmp_path}")
+    check_config_types(cfg)
+    build_trainer(cfg, "auto", [], [], devices=1, enable_progress_bar=False)
+
+
+def test_mask_builder_called_without_deprecated_keyword() -> None:
+    """The HF adapter calls transformers' `create_causal_mask` with its current keyword only (`cache`; both it and
+    the deprecated `past_key_values` gave a FutureWarning, "Both `past_key_values` and `cache` are set", on
+    every run). Oracle: the call under `warnings.simplefilter("error")` and the model's own mask."""
+    import warnings
+
+    from transformers import masking_utils
+
+    from _helpers import tiny_hf
+    from lightning_roundpipe.adapters.hf_causal_lm import _mask_call
+
+    model = tiny_hf("llama")
+    hidden = torch.zeros(2, 8, model.config.hidden_size)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0  # padding: an explicit mask
+    positions = torch.arange(8).unsqueeze(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _mask_call(masking_utils.create_causal_mask, model.config, hidden, mask, positions)
+    expected = masking_utils.create_causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=mask,
+                                                cache=None, position_ids=positions)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("given,import_torch_first,expected", [
+    (None, False, ("set", "PASSIVE")), ("ACTIVE", False, ("given", "ACTIVE")), (None, True, ("late", None)),
+])
+def test_app_sets_passive_openmp_before_torch(given: str | None, import_torch_first: bool,
+                                              expected: tuple[str, str | None]) -> None:
+    """Issue 31: the app sets `OMP_WAIT_POLICY=PASSIVE` when it is imported before torch (libgomp reads the
+    variable when torch loads it), keeps a value the user gave, and only suggests it (a line with a HINT)
+    where torch came first. Oracle: the environment and `sys.modules` of a fresh interpreter."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    code = ("import sys, os\n" + ("import torch\n" if import_torch_first else "") +
+            "import lightning_roundpipe.train as app\n"
+            "print(app._OPENMP, os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    state, value, torch_loaded = out.stdout.split()
+    assert (state, None if value == "None" else value) == expected
+    assert torch_loaded == str(import_torch_first)  # the app itself imports no torch before the setting
+    from lightning_roundpipe.train import _OPENMP_LINES
+
+    assert "HINT: `export OMP_WAIT_POLICY=PASSIVE`" in _OPENMP_LINES["late"]

@@ -345,3 +345,24 @@ def test_tracer_schedule_first_batch_after_profiling_then_every_n():
     never, engine = StepTracer(every_n_steps=4), SimpleNamespace(measured_profiles=None, profile_steps=3)
     assert [b for b in range(12) if never.due(engine)] == [6, 10]
     assert not any(StepTracer(every_n_steps=0).due(engine) for _ in range(5))
+
+
+def test_png_prediction_is_the_logged_predicted_step(tmp_path, monkeypatch):
+    """Issue 31: the PNG's simulated panel and the trace's `otherData["roundpipe/predicted_step(s)"]` are one
+    figure (they were 25.4 s and 21.0 s for one main-job step: the picture timed every microbatch as the
+    profiled mean and added the step's measured optimizer time). 8 rows in 3 microbatches (3, 3, 2)."""
+    from lightning_roundpipe.integration.trace import StepTracer
+
+    spans = {}
+    picture = StepTracer._picture
+
+    def capture(measured, host, predicted, path, step, optimizer_s):
+        spans[step] = predicted[0].span_s()
+        return picture(measured, host, predicted, path, step, optimizer_s)
+
+    monkeypatch.setattr(StepTracer, "_picture", staticmethod(capture))
+    t, _, _ = _fit_lm(tmp_path, devices=2, max_steps=3, num_microbatches=3, trace_every_n_steps=1, partition="default")
+    folder = Path(t.log_dir) / "roundpipe"
+    assert sorted(spans) == [3]
+    meta = json.loads((folder / "trace_step000003.json").read_text())["otherData"]
+    assert meta["roundpipe/predicted_step(s)"] == pytest.approx(spans[3], rel=1e-9)

@@ -372,7 +372,9 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         fused = "on" if self.fused_loss and seq.loss_key else "off"
         count = engine.split_num_microbatches or engine.num_microbatches
         cut = f", run as {count}" if count != engine.num_microbatches else ""
-        text = (f"RoundPipe: pipelining `{type(seq.target).__name__}` ({seq.family}, {len(seq)} layers) on"
+        body = sum(not name.startswith(("prefix(", "tail(")) for name in seq.layer_names)  # HF: decoder layers
+        layers = f"{len(seq)} layers" if body == len(seq) else f"{body} decoder layers + prefix and tail: {len(seq)} layers"
+        text = (f"RoundPipe: pipelining `{type(seq.target).__name__}` ({seq.family}, {layers}) on"
                 f" {len(devices)} device(s) [{names}], {engine.num_microbatches} microbatches"
                 f" ({describe_rounds(engine.microbatches_per_round, count)}{cut}),"
                 f" precision {self.precision_plugin.precision}, optimizer {self.optimizer_mode!r}, fused loss {fused}\n"

@@ -220,14 +220,22 @@ class StepTracer:
     def _predicted(engine: Any, programs: Sequence[StreamProgram], optimizer_s: float) -> tuple[Timeline, list[HostSpan]] | None:
         if engine.measured_profiles is None or not programs:
             return None
+        from lightning_roundpipe.runtime.tuning.optimizer_mode import predicted_optimizer_s
         from lightning_roundpipe.simulate import simulate_program
 
+        # the prediction of `roundpipe/predicted_step(s)` (`predicted_run_step_s`, drained steps): the programs
+        # timed with the microbatches' rows as run (8 rows in 3 microbatches: 3, 3, 2) and the optimizer
+        # step predicted from the measured rate (the step's own before one is known)
         hardware = engine.hardware_model()
-        parts = [simulate_program(p, engine.measured_profiles, hardware).timeline for p in programs]
+        parts = [simulate_program(p, engine.measured_profiles, hardware,
+                                  microbatch_weights=engine.microbatch_weights(p.plan.num_microbatches)).timeline
+                 for p in programs]
         joined = join_timelines(parts)
         pipeline_s = joined.span_s()
+        predicted = predicted_optimizer_s(engine)
+        optimizer_s = optimizer_s if predicted is None else predicted
         joined.wall_s = pipeline_s + optimizer_s
-        host = [HostSpan("optimizer", "optimizer step (measured)", pipeline_s, pipeline_s + optimizer_s)] if optimizer_s else []
+        host = [HostSpan("optimizer", "optimizer step (predicted)", pipeline_s, pipeline_s + optimizer_s)] if optimizer_s else []
         return joined, host
 
     @staticmethod
@@ -238,7 +246,7 @@ class StepTracer:
         panels = {f"step {step}, measured": measured}
         spans = {f"step {step}, measured": [s for s in host if s.thread == "optimizer"]}
         if predicted is not None:
-            name = "simulator, same programs (measured layer times) + measured optimizer"
+            name = "simulator, same programs (measured layer times) + predicted optimizer"
             panels[name], spans[name] = predicted
         return plot_timelines(panels, path, share_time_axis=True, host_spans=spans)
 

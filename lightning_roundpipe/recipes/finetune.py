@@ -71,9 +71,16 @@ class CausalLMFineTune(pl.LightningModule):
         if config is not None and hasattr(config, "use_cache"):
             config.use_cache = False  # no KV cache while training
         if lora is not None:
+            import warnings
+
             from peft import get_peft_model
 
-            model = get_peft_model(model, lora)
+            with warnings.catch_warnings():
+                # not our call: `PeftModel.__init__` (peft 0.21) reads `model.is_gradient_checkpointing`, which
+                # transformers 5 deprecated (FutureWarning, "use `is_activation_checkpointing`"); only that
+                # message of that one call is ignored, so the job's output carries no warning it cannot act on
+                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+                model = get_peft_model(model, lora)
         model.train()  # `from_pretrained` returns eval mode; Lightning keeps each module's mode
         self.model = model
         self._optimizer_factory = optimizer

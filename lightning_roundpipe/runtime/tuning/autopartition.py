@@ -250,7 +250,9 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
                        f" best plan of several stages (candidate {pipelined[2]}: {len(other.forward_stages)} forward,"
                        f" {len(other.backward_stages)} backward), {100 * gain:.1f}% faster")
             if gain >= SINGLE_STAGE_MARGIN:
-                single = (f"; one stage on {devices} devices (no pipeline, microbatches to the devices in turn):"
+                single = (f"; one stage on {devices} devices (no pipeline, microbatches to the devices in turn:"
+                          " each device runs the whole model's forward and backward of its microbatch at once,"
+                          " with no recomputation and no stage fill or drain):"
                           f" {numbers}, at least the {100 * SINGLE_STAGE_MARGIN:.0f}% margin required")
             else:
                 single = (f"; kept a pipeline: {numbers}, under the {100 * SINGLE_STAGE_MARGIN:.0f}% margin"
