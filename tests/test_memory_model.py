@@ -339,3 +339,33 @@ def test_the_automatic_choice_drops_candidates_whose_modelled_peak_does_not_fit(
     assert not seen["fits"]
     one_stage, chosen_peak, budget = seen["chosen"]
     assert not one_stage and chosen_peak <= budget
+
+
+@pytest.mark.slow  # about 10 fits
+@pytest.mark.parametrize("partition", ["default", "auto"])
+def test_no_mlp_budget_passes_the_check_and_then_runs_out(partition):
+    """Budgets from half to 1.3 x the MLP's modelled peak, with accumulation and (``"auto"``) the re-cut after
+    the profiled steps: each is refused by the check before a program runs (`PlanMemoryError`) or trains; none
+    runs out inside a step (before, budgets between the refused and the working ones passed the check and
+    then ran out, 3 of 4 fits with the re-cut)."""
+    import memory_model
+
+    config = memory_model.Config("sweep", module=memory_model.SequentialMLPModule,
+                                 trainer=dict(accumulate_grad_batches=2))
+    peak = max(predicted for _, predicted, _ in memory_model.measure(config))
+    outcomes = []
+    for fraction in (0.5, 0.7, 0.85, 0.95, 1.0, 1.1, 1.3):
+        budget = int(peak * fraction)
+        strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=memory_model.MICROBATCHES,
+                                                         partition=partition, profile_steps=2,
+                                                         device_memory_bytes=budget)
+        try:
+            trainer(strategy, 2, max_steps=4, accumulate_grad_batches=2).fit(
+                memory_model.SequentialMLPModule(), loader(VectorData(), memory_model.BATCH))
+            outcomes.append((fraction, "trained"))
+        except PlanMemoryError:
+            outcomes.append((fraction, "refused"))
+    got = dict(outcomes)  # a DeviceMemoryError inside a step would have failed the test above
+    assert got[1.3] == "trained", outcomes
+    if partition == "default":  # one partition throughout: refused below its modelled peak, trains from it on
+        assert [got[f] for f in (0.5, 0.7, 0.85, 0.95)] == ["refused"] * 4 and got[1.0] == got[1.1] == "trained", outcomes
