@@ -299,7 +299,8 @@ def predicted_peaks(seq: Any, store: Any, program: Any, *, rows: int, seq_len: i
 
 def _previous_stages(actions: Sequence[Any]) -> dict[int, int | None]:
     """``stage_index -> the stage computed just before it`` on a device (``None``: its first), from the
-    device's plan list (any dispatch of the stage; the largest held gradients win where rounds differ)."""
+    device's plan list (with several rounds: the first dispatch's predecessor, or a later one's where the first
+    has none)."""
     out: dict[int, int | None] = {}
     last = None
     for action in actions:
