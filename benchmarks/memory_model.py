@@ -25,7 +25,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 import lightning_roundpipe  # noqa: E402
-from _helpers import CausalLMModule, TokenData, loader, tiny_hf, trainer  # noqa: E402
+from _helpers import CausalLMModule, TokenData, VectorData, loader, tiny_hf, trainer  # noqa: E402
 from lightning_roundpipe.partition.memory import overlap_banks  # noqa: E402
 from lightning_roundpipe.runtime.tuning.device_memory import predicted_peaks  # noqa: E402
 
@@ -39,12 +39,34 @@ def _lora() -> torch.nn.Module:
                                                        lora_dropout=0.0, init_lora_weights="gaussian"))
 
 
+class SequentialMLPModule(L.LightningModule):
+    """An ``nn.Sequential`` MLP (7 layers: 8 -> 128 -> 128 -> 128 -> 4, Tanh, ReLU, GELU between) with the
+    loss outside the sequence (``cross_entropy(self.model(x), y)``): a forward program, then a backward
+    program whose first stage receives the logits' gradient. Its activations come from a shape-only pass
+    (the cost model knows Hugging Face models only)."""
+
+    def __init__(self, width: int = 128) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+            torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 @dataclass
 class Config:
     name: str
-    model: Callable[[], torch.nn.Module]
+    model: Callable[[], torch.nn.Module] | None = None
     strategy: dict = field(default_factory=dict)
     trainer: dict = field(default_factory=dict)
+    module: Callable[[], L.LightningModule] | None = None  # instead of ``CausalLMModule(model())`` on tokens
 
 
 CONFIGS = [
@@ -56,6 +78,10 @@ CONFIGS = [
     Config("LoRA, fp8 base, bf16-mixed", _lora, strategy=dict(frozen_weights="fp8"), trainer=dict(precision="bf16-mixed")),
     Config("mixed devices (weighted, speeds 1, 0.5)", lambda: tiny_hf("llama"),
            strategy=dict(cpu_device_speeds=(1.0, 0.5), dispatch="weighted")),
+    Config("nn.Sequential MLP, sync", module=SequentialMLPModule),
+    Config("nn.Sequential MLP, async", module=SequentialMLPModule, strategy=dict(optimizer="async")),
+    Config("nn.Sequential MLP, accumulation", module=SequentialMLPModule,
+           trainer=dict(accumulate_grad_batches=2)),
 ]
 
 
@@ -78,10 +104,13 @@ class _Measure(L.Callback):
 
         def predicting_start(program, state):
             run = start(program, state)  # its check records the call's shape (the microbatch's packed bytes)
-            banks = 1 if engine.executor.one_bank is not None else self.banks
-            peaks = predicted_peaks(engine.seq, engine.store, program, rows=-(-BATCH // MICROBATCHES),
-                                    seq_len=TokenData().ids.shape[1], banks=banks, compute_bytes=self.compute_bytes,
-                                    batch_bytes=engine.memory_shape[3])
+            # the banks the executor holds (one where it fell back, or where nothing overlaps: a loss outside
+            # the sequence runs a forward and a backward program one after the other)
+            banks = min(self.banks, len(engine.backends[0].banks))
+            rows, seq_len, _, batch_bytes = engine.memory_shape  # the training call's, as the check's
+            peaks = predicted_peaks(engine.seq, engine.store, program, rows=rows, seq_len=seq_len, banks=banks,
+                                    compute_bytes=self.compute_bytes, batch_bytes=batch_bytes,
+                                    sample=engine.memory_sample)
             self.predicted = [max(a, peak.peak_bytes) for a, peak in zip(self.predicted, peaks)]
             return run
 
@@ -99,8 +128,8 @@ def measure(config: Config, devices: int = 2, steps: int = 3) -> list[tuple[int,
     banks = overlap_banks(strategy.config.optimizer, config.trainer.get("accumulate_grad_batches", 1),
                           strategy.config.overlap_batches)
     watch = _Measure(banks, 2 if config.trainer.get("precision") == "bf16-mixed" else 4)
-    module = CausalLMModule(config.model())
-    trainer(strategy, devices, max_steps=steps, callbacks=[watch], **config.trainer).fit(module, loader(TokenData(), BATCH))
+    module, data = (config.module(), VectorData()) if config.module else (CausalLMModule(config.model()), TokenData())
+    trainer(strategy, devices, max_steps=steps, callbacks=[watch], **config.trainer).fit(module, loader(data, BATCH))
     return [(device, watch.predicted[device], measured) for device, measured in enumerate(watch.peaks)]
 
 

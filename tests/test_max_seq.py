@@ -143,9 +143,11 @@ def test_planner_peak_memory_formula():
     mp = SimpleNamespace(profiles=profiles, saved_activation_bytes=(5, 5, 5))
     stages = [("forward", range(0, 2)), ("fused", range(2, 3)), ("backward", range(1, 2)), ("backward", range(0, 1))]
     # largest stage: 300 bytes of weights (forward 0, fused tail), so the pool is 2 x 300 = 600;
-    # forward 0: 600 + 20 in/out = 620; fused tail: 600 + 300 grads + max(5 saved + 10 in/out, 300 fresh grad) = 1200
-    assert peak_device_memory_bytes(mp, stages, 2) == 1200
-    assert peak_device_memory_bytes(mp, stages, 4) == 900  # one stage per device: one slot, 300 + 300 + 300
+    # forward 0: 600 + 20 in/out + 2 microbatches x (output 10 + the boundary it saves at layer 1, 10) = 660;
+    # fused tail: 600 + 300 grads + 10 in/out + max(5 saved, 300 fresh grad) + 2 x 10 outgoing gradients = 1230
+    # (backward 0 on the tail's device: 600 + 100 + 20 + 100 + 20 + the tail's 300 gradients not yet dropped = 1140)
+    assert peak_device_memory_bytes(mp, stages, 2) == 1230
+    assert peak_device_memory_bytes(mp, stages, 4) == 930  # one stage per device: one slot, 300 + 630
 
 
 @pytest.mark.slow  # about 30 s: sequences up to 2048 tokens

@@ -78,3 +78,30 @@ def test_the_environment_variable_gives_devices_without_a_budget_a_ledger(monkey
         assert backend.memory is None
     finally:
         backend.close()
+
+
+def test_storages_freed_while_deferring_stay_charged_until_their_flush():
+    """What a ``DROP`` frees on the ``d2h`` stream (a stage's gradients) is reusable by the compute
+    stream only where the program orders the compute after that ``DROP``: the ledger keeps it charged
+    until then (:meth:`DeviceMemoryLedger.flush`), so the measured peak does not depend on which
+    stream's thread ran first. A storage freed outside the scope is released at once; its address may be
+    reused by a new storage meanwhile, which is counted."""
+    ledger = DeviceMemoryLedger(0, None)
+    held = [torch.empty(1000, dtype=torch.uint8)]
+    ledger.track(held[0])
+    with ledger.deferring(("run", 3, 0)):
+        held.clear()  # freed: still charged
+    assert ledger.in_use_bytes == 1000
+    fresh = torch.empty(1000, dtype=torch.uint8)
+    ledger.track(fresh)
+    assert ledger.in_use_bytes == 2000 and ledger.peak_bytes == 2000
+    ledger.flush(("run", 3, 0))
+    assert ledger.in_use_bytes == 1000
+    del fresh
+    assert ledger.in_use_bytes == 0
+    with ledger.deferring(("run", 5, 0)):
+        gone = torch.empty(10, dtype=torch.uint8)
+        ledger.track(gone)
+        del gone
+    ledger.flush(prefix="run")  # the end of the run: everything it deferred
+    assert ledger.in_use_bytes == 0

@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 
 import lightning_roundpipe
-from _helpers import CausalLMModule, TokenData, fit_params, loader, max_diff, tiny_hf, trainer
+from _helpers import CausalLMModule, TokenData, VectorData, fit_params, loader, max_diff, tiny_hf, trainer
 from lightning_roundpipe.runtime.backends import DeviceMemoryError
 from lightning_roundpipe.runtime.tuning.device_memory import PlanMemoryError, predicted_peaks
 
@@ -117,7 +117,8 @@ def test_fp8_dequantised_copies_that_do_not_fit_fail_before_the_first_step():
 
 @pytest.mark.parametrize("name", ["sync, full FT, fp32", "sync, full FT, bf16-mixed", "accumulation (2 banks)",
                                   "async (2 banks)", "LoRA, bf16-mixed", "LoRA, fp8 base, bf16-mixed",
-                                  "mixed devices (weighted, speeds 1, 0.5)"])
+                                  "mixed devices (weighted, speeds 1, 0.5)", "nn.Sequential MLP, sync",
+                                  "nn.Sequential MLP, async", "nn.Sequential MLP, accumulation"])
 def test_the_model_predicts_the_ledger_peak(name, monkeypatch):
     """The ledger (every device allocation while alive) is the oracle: the model's per-device peak is
     within 10 % of the measured one and never below it by more than 5 % (benchmarks/memory_model.py prints
@@ -142,11 +143,17 @@ def test_device_peaks_formula_by_hand():
     extra = [StageBytes(), StageBytes(accumulator_bytes=200, cast_bytes=7),
              StageBytes(accumulator_bytes=200, dequantised_bytes=30, dequant_transient_bytes=60)]
     one = device_peaks(profiles, stages, 2, stage_bytes=extra, transfer_bytes=40, banks=1)
-    # pools: 2 x 200 (stage 0's weights) + 2 x 200 (accumulators) + 40 = 840; working sets (stage_memory less
-    # weights): forward 10 + 10 = 20; fused 50 + max(10 + 10, 50) + 7 = 107; backward 50 + max(10 + 20, 50) + 30 = 130
-    assert [p.peak_bytes for p in one] == [840 + 130 + 60] * 2 and one[0].stage_index == 2
+    # pools: 2 x 200 (stage 0's weights) + 2 x 200 (accumulators) + 40 = 840; working sets: forward: input and
+    # output 10 + 10 = 20 (its output is the last layer's: nothing downloaded beside it); fused: gradients 50 +
+    # input and output 10 + max(saved 10, fresh gradient 50) + 2 outgoing gradients held for download 2 x 10
+    # + casts 7 = 137; backward: 50 + 20 + max(10, 50) + 2 x 10 + dequantised 30 = 170; the stage before the
+    # backward one on its device (round robin: stage 2 - 2 = 0) is a forward stage: no held gradients
+    assert [p.peak_bytes for p in one] == [840 + 170 + 60] * 2 and one[0].stage_index == 2
     two = device_peaks(profiles, stages, 2, stage_bytes=extra, transfer_bytes=40, banks=2)
-    assert [p.peak_bytes for p in two] == [2 * 840 + 130 + 60] * 2  # a second bank of every pool
+    assert [p.peak_bytes for p in two] == [2 * 840 + 170 + 60] * 2  # a second bank of every pool
+    after = device_peaks(profiles, stages, 2, stage_bytes=extra, transfer_bytes=40, previous=[{2: 1}, {2: 1}])
+    assert after[0].peak_bytes == 840 + 170 + 50 + 60  # the fused stage's 50 gradient bytes, not yet dropped
+    assert after[0].parts["previous stage's gradients"] == 50
     only = device_peaks(profiles, stages, 2, stage_bytes=extra, transfer_bytes=40, stage_devices=[[0], [0], [1]],
                         pool_devices=[[0], [0, 1], [0, 1]])
     assert only[1].pool_bytes == 2 * 100 + 2 * 200 + 40 and only[1].stage_index == 2  # the forward stage is not its
@@ -250,3 +257,121 @@ def test_an_oom_in_the_first_program_with_the_second_bank_held_falls_back_to_one
     assert sum("no longer overlaps" in record.getMessage() for record in caplog.records) == 1
     ref = fit_params(lambda: CausalLMModule(tiny_hf("llama")), TokenData(), **accumulate)
     assert max_diff(ref, got) <= TOL
+
+
+def _mlp_fit(budget: int, **trainer_args) -> None:
+    import memory_model
+
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=memory_model.MICROBATCHES, partition="default",
+                                                     device_memory_bytes=budget)
+    trainer(strategy, 2, max_steps=2, **trainer_args).fit(memory_model.SequentialMLPModule(),
+                                                          loader(VectorData(), memory_model.BATCH))
+
+
+@pytest.mark.parametrize("trainer_args", [{}, {"accumulate_grad_batches": 2}], ids=["sync", "accumulation"])
+def test_an_mlp_budget_below_the_modelled_peak_is_refused_up_front_and_one_at_it_trains(trainer_args, monkeypatch):
+    """An ``nn.Sequential`` MLP (activations from a shape-only pass, the loss outside the sequence). The
+    model used to leave out its activations, transfer slots, the outputs held for download and the previous
+    backward stage's gradients (dropped on the ``d2h`` stream while the next stage computes): a budget the
+    check passed then ran out inside a backward stage. Now a budget one byte below the modelled peak is
+    refused before the first step, naming the device, the stage, the bytes and a HINT, and the modelled peak
+    itself trains (the ledger never exceeds it)."""
+    monkeypatch.setenv("LIGHTNING_ROUNDPIPE_MEASURE_DEVICE_MEMORY", "1")
+    import memory_model
+
+    config = next(c for c in memory_model.CONFIGS if c.name == "nn.Sequential MLP, sync")
+    config = memory_model.Config(config.name, module=config.module, trainer=trainer_args)
+    peak = max(predicted for _, predicted, _ in memory_model.measure(config))
+    with pytest.raises(PlanMemoryError) as info:
+        _mlp_fit(peak - 1, **trainer_args)
+    message = str(info.value)
+    assert f"device {info.value.device_index}" in message and "stage " in message and str(peak) in message
+    assert str(peak - 1) in message and "HINT" in message
+    _mlp_fit(peak, **trainer_args)  # no DeviceMemoryError inside the step
+
+
+def test_the_automatic_choice_drops_candidates_whose_modelled_peak_does_not_fit(monkeypatch):
+    """The automatic choice (`partition="auto"`) times every candidate partition and takes the fastest
+    among those whose modelled one-bank peak fits every device (`fits_memory`). The simulated times are
+    replaced by a figure that makes the largest stage the fastest (the whole model as one stage wins without
+    a budget); with a budget one byte below that candidate's modelled peak, it is dropped and the choice is
+    a candidate whose peak fits."""
+    import memory_model
+
+    from lightning_roundpipe.runtime.tuning import autopartition
+    from lightning_roundpipe.runtime.tuning.mixed import build_plan
+    from lightning_roundpipe.schedule import build_stages
+
+    strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=memory_model.MICROBATCHES, partition="auto",
+                                                     profile_steps=2, device_memory_bytes=2**40)
+    seen = {}
+
+    class Choose(L.Callback):  # while the engine is alive, after the profiled steps and its own choice
+        def on_train_end(self, trainer, pl_module) -> None:
+            engine = trainer.strategy.engine
+            rows, seq_len, _, batch_bytes = engine.memory_shape
+
+            def peak(partition) -> int:
+                plan = build_plan(engine, build_stages(partition.forward_stages, partition.backward_stages),
+                                  memory_model.MICROBATCHES, 0, None, None)
+                return max(p.peak_bytes for p in predicted_peaks(
+                    engine.seq, engine.store, engine._lower(plan), rows=rows, seq_len=seq_len, banks=1,
+                    batch_bytes=batch_bytes, sample=engine.memory_sample))
+
+            largest = lambda partition: max(len(r) for r in (*partition.forward_stages, *partition.backward_stages))  # noqa: E731
+            monkeypatch.setattr(autopartition, "simulated_step_s",
+                                lambda engine, partition, *args, **kwargs: 1.0 / (1 + largest(partition)))
+            monkeypatch.setattr(engine, "_last_call", (engine._last_call[0], False))  # the programs as they ran
+            unlimited = autopartition.choose_partition(engine, engine.measured_profiles).partition
+            seen["unlimited"] = autopartition.one_stage(unlimited)
+            budget = peak(unlimited) - 1
+            for backend in engine.backends:
+                backend.memory.budget_bytes = budget
+            seen["fits"] = autopartition.fits_memory(engine, unlimited, memory_model.MICROBATCHES, None)
+            chosen = autopartition.choose_partition(engine, engine.measured_profiles).partition
+            seen["chosen"] = (autopartition.one_stage(chosen), peak(chosen), budget)
+            for backend in engine.backends:
+                backend.memory.budget_bytes = 2**40
+
+    trainer(strategy, 2, max_steps=3, callbacks=[Choose()]).fit(memory_model.SequentialMLPModule(),
+                                                                loader(VectorData(), memory_model.BATCH))
+    assert seen["unlimited"]  # the faked times make the whole model as one stage the fastest
+    assert not seen["fits"]
+    one_stage, chosen_peak, budget = seen["chosen"]
+    assert not one_stage and chosen_peak <= budget
+
+
+@pytest.mark.slow  # about 10 fits
+@pytest.mark.parametrize("partition", ["default", "auto"])
+def test_no_mlp_budget_passes_the_check_and_then_runs_out(partition):
+    """Budgets from half to 1.3 x the MLP's modelled peak, with accumulation and (``"auto"``) the re-cut after
+    the profiled steps: each is refused before a program runs (`PlanMemoryError`; with ``"auto"`` also the
+    partitioner's `ValueError` for a layer over the per-stage budget) or trains; none
+    runs out inside a step (before, budgets between the refused and the working ones passed the check and
+    then ran out, 3 of 4 fits with the re-cut)."""
+    import memory_model
+
+    config = memory_model.Config("sweep", module=memory_model.SequentialMLPModule,
+                                 trainer=dict(accumulate_grad_batches=2))
+    peak = max(predicted for _, predicted, _ in memory_model.measure(config))
+    outcomes = []
+    for fraction in (0.5, 0.7, 0.85, 0.95, 1.0, 1.1, 1.3):
+        budget = int(peak * fraction)
+        strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=memory_model.MICROBATCHES,
+                                                         partition=partition, profile_steps=2,
+                                                         device_memory_bytes=budget)
+        try:
+            trainer(strategy, 2, max_steps=4, accumulate_grad_batches=2).fit(
+                memory_model.SequentialMLPModule(), loader(VectorData(), memory_model.BATCH))
+            outcomes.append((fraction, "trained"))
+        except PlanMemoryError:
+            outcomes.append((fraction, "refused"))
+        except ValueError as error:  # the automatic cut: a single layer over the per-stage budget, before any program
+            assert partition == "auto" and "per-stage memory budget" in str(error), error
+            outcomes.append((fraction, "refused"))
+    got = dict(outcomes)  # a DeviceMemoryError inside a step would have failed the test above
+    assert got[1.3] == "trained", outcomes
+    # the profiled partition of "auto" is the default one: refused below its modelled peak, trains from it on
+    # (the re-cut used to raise a `ValueError` after the profiled steps at 1.0 and 1.1 x: a single layer over the
+    # per-stage budget, half the device, although the running partition fitted the device)
+    assert [got[f] for f in (0.5, 0.7, 0.85, 0.95)] == ["refused"] * 4 and got[1.0] == got[1.1] == "trained", outcomes

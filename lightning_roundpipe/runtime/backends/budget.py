@@ -147,6 +147,7 @@ class DeviceMemoryLedger:
         self.peak_bytes = 0
         self.step_peak_bytes = 0
         self._storages: dict[int, int] = {}
+        self._deferred: dict[Any, int] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -213,8 +214,34 @@ class DeviceMemoryLedger:
                 self.track(leaf)
 
     def _release(self, key: int) -> None:
+        token = getattr(self._local, "deferring", None)
         with self._lock:
-            self.in_use_bytes -= self._storages.pop(key, 0)
+            nbytes = self._storages.pop(key, 0)
+            if token is None:
+                self.in_use_bytes -= nbytes
+            else:
+                self._deferred[token] = self._deferred.get(token, 0) + nbytes
+
+    @contextlib.contextmanager
+    def deferring(self, token: Any):
+        """Storages this thread frees meanwhile stay charged until :meth:`flush` of ``token``: the
+        latest point the program allows for them (memory a copy stream frees is reusable by the compute
+        stream only once the program orders the compute after that free), so the measured peak does not
+        depend on which stream's thread ran first."""
+        before = getattr(self._local, "deferring", None)
+        self._local.deferring = token
+        try:
+            yield
+        finally:
+            self._local.deferring = before
+
+    def flush(self, token: Any = None, prefix: Any = None) -> None:
+        """Release the bytes :meth:`deferring` held under ``token`` (with ``prefix``: under every token
+        ``(prefix, ...)``)."""
+        with self._lock:
+            keys = [token] if prefix is None else [k for k in self._deferred if isinstance(k, tuple) and k[:1] == (prefix,)]
+            for key in keys:
+                self.in_use_bytes -= self._deferred.pop(key, 0)
 
     def counting(self) -> "_CountOutputs":
         """A dispatch mode (enter it on the compute thread) that tracks every op's outputs."""

@@ -354,13 +354,15 @@ class CpuBackend(Backend):
 
     def allocate_bytes(self, nbytes: int, what: str | None = None) -> torch.Tensor:
         if self.memory is not None:
-            where = f"{what} (a slot of {nbytes} bytes), at {self.memory.where}" if what else None
+            before = self.memory.where
+            where = f"{what} (a slot of {nbytes} bytes), at {before}" if what else None
             self.memory.set_where(where or self.pool_label or f"the stage weight pool (a slot of {nbytes} bytes)")
             self.memory.check(nbytes)  # before the pool's buffer is allocated
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         op_check.track(buffer, id(self), self.device_index)  # device memory (the placement check)
         if self.memory is not None:
             self.memory.track(buffer)
+            self.memory.set_where(before)  # the next slot's label names the op, not this slot
         return buffer
 
     def mark(self) -> float:

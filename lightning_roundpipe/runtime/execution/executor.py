@@ -51,7 +51,7 @@ from lightning_roundpipe.runtime.execution.carry import diff_leaves, grad_leaves
 from lightning_roundpipe.runtime.execution.devices import StreamThread
 from lightning_roundpipe.runtime.execution.errors import ErrorNotes
 from lightning_roundpipe.runtime.execution.replica import LayerReplica
-from lightning_roundpipe.runtime.execution.residency import ResidencyOps, last_compute_ops
+from lightning_roundpipe.runtime.execution.residency import ResidencyOps, last_compute_ops, room_flushes
 from lightning_roundpipe.runtime.execution.transfers import TransferOps
 from lightning_roundpipe.runtime.replay.rng import layer_seed, rng_layers, rng_scope  # noqa: F401 (rng_layers: the engine's)
 from lightning_roundpipe.runtime.replay.routing import routing_scope
@@ -246,6 +246,9 @@ class Executor(TransferOps, ResidencyOps):
             run.done = True
             if run in self.in_flight:
                 self.in_flight.remove(run)
+            for backend in self.backends:  # its DROPs whose rooms no later compute of it reused
+                if getattr(backend, "memory", None) is not None:
+                    backend.memory.flush(prefix=id(run))
         for backend in self.backends:
             for error in backend.stream_errors():
                 run.fail(error, f"RoundPipe: device {backend.device_index} stream worker")
@@ -360,8 +363,17 @@ class Executor(TransferOps, ResidencyOps):
         complete, so nothing waits forever)."""
         if run.abort.is_set():
             return
+        memory = getattr(backend, "memory", None)
+        deferred = contextlib.nullcontext()
+        if memory is not None:  # CPU virtual devices: what a DROP frees is charged until the program orders it free
+            if op.kind is OpKind.DROP:
+                deferred = memory.deferring((id(run), op.stage_index, op.round_index))
+            elif stream == "compute":
+                room = room_flushes(run.program).get((backend.device_index, op))
+                if room is not None:
+                    memory.flush((id(run), *room))
         try:
-            with backend.op_scope(stream, f"stage {op.stage_index}, {op}"):
+            with backend.op_scope(stream, f"stage {op.stage_index}, {op}"), deferred:
                 run.nbytes[op] = self._dispatch[op.kind](backend, op, run) or 0
                 if stream == "compute" and self.store.fp8_weights and op in last_compute_ops(run.program):
                     self._release_dequantised(backend, op, run)

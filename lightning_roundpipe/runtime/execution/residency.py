@@ -18,6 +18,7 @@ from lightning_roundpipe.runtime.backends.base import Backend
 from lightning_roundpipe.runtime.backends.pool import pool_slots
 from lightning_roundpipe.runtime.execution.access import round_of
 from lightning_roundpipe.runtime.execution.run_state import ProgramRun
+from lightning_roundpipe.schedule.lower import plan_dispatches
 from lightning_roundpipe.schedule.program import Op, StreamProgram
 
 
@@ -98,3 +99,26 @@ def last_compute_ops(program: StreamProgram) -> frozenset[Op]:
         got = frozenset(last.values())
         cache[id(program)] = (program, got)
     return got
+
+
+def room_flushes(program: StreamProgram) -> dict[tuple[int, Op], tuple[int, int]]:
+    """``(device_index, op) -> (stage_index, round_index)``: the first compute op of each dispatch whose
+    ``LOAD`` reuses the room a ``DROP`` released (the program orders it after that ``DROP``: the LOAD's
+    first chunk waits for it, the compute for the LOAD). What the ``DROP`` freed (the stage's
+    gradients, its buffers' copies) is released from a CPU virtual device's memory ledger there
+    (:meth:`~lightning_roundpipe.runtime.backends.budget.DeviceMemoryLedger.deferring`). Cached on the plan."""
+    cache = program.plan._meta.setdefault("_room_flushes", {})
+    held = cache.get(id(program))
+    if held is not None and held[0] is program:
+        return held[1]
+    out: dict[tuple[int, Op], tuple[int, int]] = {}
+    for dispatch in plan_dispatches(program.plan):
+        if dispatch.room is None or not dispatch.computes:
+            continue
+        first = dispatch.computes[0]
+        for op in program.streams[dispatch.device_index]["compute"]:
+            if (op.stage_index, op.microbatch_index) == (first.stage_index, first.microbatch_index):
+                out[(dispatch.device_index, op)] = dispatch.room
+                break
+    cache[id(program)] = (program, out)
+    return out

@@ -171,7 +171,11 @@ def choose_partition(engine: Any, profiles: Sequence[LayerProfile]) -> PlanChoic
 
     n = len(engine.seq)
     budget = stage_budget(engine)
-    candidates = [auto_partition(profiles, len(engine.backends), budget, method=m) for m in METHODS]
+    try:
+        candidates = [auto_partition(profiles, len(engine.backends), budget, method=m) for m in METHODS]
+    except ValueError:  # a single layer over the per-stage budget (half the device) while the running partition fits
+        budget = None  # the device's modelled peak (`fits_memory`) decides which candidates fit
+        candidates = [auto_partition(profiles, len(engine.backends), None, method=m) for m in METHODS]
     if engine._last_call is None:
         return PlanChoice(candidates[0], engine.microbatches_per_round)
 

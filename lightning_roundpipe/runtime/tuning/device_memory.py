@@ -16,6 +16,7 @@ CPU virtual devices, measured free memory less a margin on CUDA) and raises
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import torch
@@ -25,7 +26,9 @@ from lightning_roundpipe.partition.memory import DevicePeak, StageBytes, aligned
 from lightning_roundpipe.partition.profile import LayerProfile
 from lightning_roundpipe.runtime.backends.budget import DeviceMemoryError, _size, pool_slots_text
 from lightning_roundpipe.runtime.backends.pool import packed_nbytes
+from lightning_roundpipe.runtime.host.grads import needs_fp32_accumulation
 from lightning_roundpipe.schedule.buffers import device_slots
+from lightning_roundpipe.schedule.lower import plan_dispatches
 
 
 class PlanMemoryError(DeviceMemoryError):
@@ -97,39 +100,117 @@ def stage_bytes(store: Any, stages: Sequence[Any], layers: Sequence[torch.nn.Mod
                 dequantised += aligned(numel * entry.dequant_dtype.itemsize)
                 transient = max(transient, aligned(numel * 4))
         accumulate = store.accumulator_numel(spec.layers) * 4 if spec.kind == "backward" else 0
+        held = sum(store.tensors[k].master.numel() * store.tensors[k].dtype.itemsize for k in layout.tensors
+                   if store.tensors[k].is_param and store.tensors[k].master.requires_grad
+                   and not needs_fp32_accumulation(store.tensors[k].dtype)) if spec.kind == "backward" else 0
         out.append(StageBytes(weight_bytes=layout.total_bytes, accumulator_bytes=accumulate,
-                              dequantised_bytes=dequantised, dequant_transient_bytes=transient, cast_bytes=casts))
+                              dequantised_bytes=dequantised, dequant_transient_bytes=transient, cast_bytes=casts,
+                              held_grad_bytes=held))
     return out
 
 
-def layer_profiles(seq: Any, store: Any, rows: int, seq_len: int, compute_bytes: int,
+def traced_activations(seq: Any, sample: Any, autocast_dtype: torch.dtype | None = None
+                       ) -> tuple[list[int], list[int], int] | None:
+    """A shape-only pass of the layer sequence (``torch``'s fake tensors: no data, no FLOPs) on a
+    microbatch like ``sample`` (the carry of layer 0), under autocast when ``autocast_dtype`` is given:
+    per layer, the packed bytes of its input carry (what an upload of it moves) and the bytes autograd
+    saves inside it (parameters excluded, each storage once), and the packed bytes of the last layer's
+    output. ``None`` where a layer cannot run on fake tensors (data-dependent shapes). Cached per
+    sequence, shapes and dtype."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+    key = (autocast_dtype, _shapes(sample))
+    cache = seq.__dict__.setdefault("_roundpipe_traced", {})
+    if key in cache:
+        return cache[key]
+    inputs, saved = [], []
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with FakeCopyMode(mode):  # fake copies: the masters, their hooks and the user's hooks never run
+            layers = copy.deepcopy(list(seq.layers))
+        with mode:
+            carry = pytree.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                                    if isinstance(t, torch.Tensor) else t, sample)  # fake, like the sample
+            for layer in layers:
+                for module in layer.modules():
+                    for hooks in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+                        getattr(module, hooks).clear()
+                    for name, param in module.named_parameters(recurse=False):
+                        if param.dtype.itemsize == 1 and param.is_floating_point():  # an fp8 frozen weight: its copy
+                            param.data = param.data.to(autocast_dtype or torch.float32)
+                params = {t.untyped_storage()._cdata for t in layer.parameters()}
+                carry = pytree.tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point())
+                                        if isinstance(t, torch.Tensor) else t, carry)
+                inputs.append(packed_nbytes(carry))
+                kept: dict[int, int] = {}
+
+                def pack_hook(t: torch.Tensor) -> torch.Tensor:
+                    storage = t.untyped_storage()
+                    if storage._cdata not in params:
+                        kept[storage._cdata] = storage.nbytes()
+                    return t
+
+                amp = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+                       else contextlib.nullcontext())
+                with amp, torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+                    carry = layer(carry)
+                saved.append(sum(kept.values()))
+            out = (inputs, saved, packed_nbytes(carry))
+    except Exception:  # a layer the fake tensors cannot run: activations unknown (as before)
+        out = None
+    cache[key] = out
+    return out
+
+
+def _shapes(tree: Any) -> tuple:
+    """The shapes and dtypes of the tensors of ``tree`` (a cache key)."""
+    return tuple((tuple(t.shape), t.dtype) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def _layer_costs(seq: Any, rows: int, seq_len: int, compute_bytes: int) -> list | None:
+    """The cost model's per-layer costs of a Hugging Face causal LM whose sequence is prefix, decoders,
+    tail, at ``rows`` x ``seq_len`` tokens; ``None`` for another model."""
+    config = getattr(seq.target, "config", None)
+    if config is None:
+        return None
+    try:
+        from lightning_roundpipe.partition.costmodel import CostModel, ModelShape
+
+        shape = ModelShape.from_config(config)
+        if shape.num_hidden_layers + 2 == len(seq.layers):
+            return CostModel().layer_costs(shape, seq_len=seq_len, microbatch_size=rows,
+                                           compute_dtype_bytes=compute_bytes)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return None
+
+
+def layer_profiles(seq: Any, store: Any, rows: int, seq_len: int, compute_bytes: int, sample: Any = None,
                    ) -> tuple[list[LayerProfile], list[int] | None]:
     """Per layer of ``seq``, a :class:`LayerProfile` with the store's bytes (weights as uploaded,
     gradients of the trainable ones in their upload dtype) and, for a Hugging Face causal LM whose
     sequence is prefix, decoders, tail, the cost model's activations at ``rows`` x ``seq_len`` tokens;
-    and the saved activation bytes (``None``: the model is not one the cost model knows)."""
+    and the saved activation bytes (``None``: the model is not one the cost model knows). Another
+    model's activations (an ``nn.Sequential``) come from :func:`traced_activations` of ``sample`` (a
+    microbatch's carry; ``None``: unknown, 0)."""
     num_layers = len(seq.layers)
-    costs = None
-    config = getattr(seq.target, "config", None)
-    if config is not None:
-        try:
-            from lightning_roundpipe.partition.costmodel import CostModel, ModelShape
-
-            shape = ModelShape.from_config(config)
-            if shape.num_hidden_layers + 2 == num_layers:
-                costs = CostModel().layer_costs(shape, seq_len=seq_len, microbatch_size=rows,
-                                                compute_dtype_bytes=compute_bytes)
-        except (ValueError, TypeError, KeyError, AttributeError):
-            costs = None
+    costs = _layer_costs(seq, rows, seq_len, compute_bytes)
+    traced = None
+    if costs is None and sample is not None:
+        traced = traced_activations(seq, sample, torch.bfloat16 if compute_bytes < 4 else None)
     profiles = []
     for index in range(num_layers):
         layout = store.layout(range(index, index + 1))
         trainable = sum(aligned(store.tensors[k].master.numel() * store.tensors[k].dtype.itemsize)
                         for k in layout.tensors if store.tensors[k].is_param and store.tensors[k].master.requires_grad)
-        activation = costs[index].activation_bytes if costs is not None else 0
+        activation = (costs[index].activation_bytes if costs is not None
+                      else traced[0][index] if traced is not None else 0)
         profiles.append(LayerProfile(forward_s=0.0, backward_s=0.0, param_bytes=layout.total_bytes,
                                      activation_bytes=activation, trainable_param_bytes=trainable))
-    saved = [c.saved_activation_bytes for c in costs] if costs is not None else None
+    saved = ([c.saved_activation_bytes for c in costs] if costs is not None
+             else list(traced[1]) if traced is not None else None)
     return profiles, saved
 
 
@@ -163,6 +244,19 @@ def boundaries(profiles: Sequence[LayerProfile], tokens: int, compute_bytes: int
             for index, p in enumerate(profiles)]
 
 
+def carry_boundaries(seq: Any, profiles: Sequence[LayerProfile], rows: int, seq_len: int, compute_bytes: int,
+                     batch_bytes: int | None = None, sample: Any = None) -> list[int]:
+    """Per layer, the bytes of its input carry as uploaded: :func:`boundaries` for a model the cost
+    model knows; for another one traced from ``sample`` (:func:`traced_activations`), one entry more:
+    the last layer's output, whose gradient a backward program uploads when the loss is computed
+    outside the sequence."""
+    if sample is not None and _layer_costs(seq, rows, seq_len, compute_bytes) is None:
+        traced = traced_activations(seq, sample, torch.bfloat16 if compute_bytes < 4 else None)
+        if traced is not None:
+            return [*traced[0], traced[2]]
+    return boundaries(profiles, rows * seq_len, compute_bytes, batch_bytes)
+
+
 def planned_transfer_sizes(engine: Any, program: Any) -> list[int] | None:
     """The transfer slots to reserve before ``program`` runs (the executor's ``transfer_sizes``): the
     model's boundaries at the last training call's rows and length (:func:`transfer_slot_sizes`);
@@ -172,27 +266,30 @@ def planned_transfer_sizes(engine: Any, program: Any) -> list[int] | None:
     if shape is None:
         return None
     rows, seq_len, _, batch_bytes = shape
+    sample = engine.__dict__.get("memory_sample")
     cache = engine.__dict__.setdefault("_transfer_size_cache", {})
-    key = (id(program), rows, seq_len, batch_bytes)
+    key = (id(program), rows, seq_len, batch_bytes, _shapes(sample))
     held = cache.get(key)
     if held is not None and held[0] is program:
         return held[1]
     dtype = engine.autocast_dtype or engine.store.compute_dtype or torch.float32
-    profiles, _ = layer_profiles(engine.seq, engine.store, rows, seq_len, dtype.itemsize)
-    boundary = boundaries(profiles, rows * seq_len, dtype.itemsize, batch_bytes)
+    profiles, _ = layer_profiles(engine.seq, engine.store, rows, seq_len, dtype.itemsize, sample)
+    boundary = carry_boundaries(engine.seq, profiles, rows, seq_len, dtype.itemsize, batch_bytes, sample)
     sizes = transfer_slot_sizes(program, boundary) if any(boundary) else None
     cache[key] = (program, sizes)
     return sizes
 
 
 def predicted_peaks(seq: Any, store: Any, program: Any, *, rows: int, seq_len: int, banks: int,
-                    compute_bytes: int = 4, batch_bytes: int | None = None) -> list[DevicePeak]:
+                    compute_bytes: int = 4, batch_bytes: int | None = None, sample: Any = None) -> list[DevicePeak]:
     """The modelled per-device peak of ``program`` (a stream program of the engine's partition) with
     ``rows`` sequences of ``seq_len`` tokens per microbatch (``batch_bytes``: a microbatch's packed
-    bytes, see :func:`boundaries`) and ``banks`` pool banks, bytes."""
+    bytes, see :func:`boundaries`; ``sample``: the largest microbatch's carry, which gives the
+    activations of a model the cost model does not know, :func:`traced_activations`) and ``banks``
+    pool banks, bytes."""
     plan = program.plan
-    profiles, saved = layer_profiles(seq, store, rows, seq_len, compute_bytes)
-    boundary = boundaries(profiles, rows * seq_len, compute_bytes, batch_bytes)
+    profiles, saved = layer_profiles(seq, store, rows, seq_len, compute_bytes, sample)
+    boundary = carry_boundaries(seq, profiles, rows, seq_len, compute_bytes, batch_bytes, sample)
     stages = [("fused" if s.fused else s.kind, s.layers) for s in plan.stages]
     runs = [{action.stage_index for action in actions} for actions in plan.actions]  # what each device computes
     autocast = compute_bytes if compute_bytes < 4 else None
@@ -201,7 +298,25 @@ def predicted_peaks(seq: Any, store: Any, program: Any, *, rows: int, seq_len: i
                         stage_bytes=stage_bytes(store, plan.stages, seq.layers, autocast),
                         transfer_bytes=transfer_bytes(program, boundary), banks=banks, slots=max(program_slots(plan), 1),
                         stage_devices=[[d for d, mine in enumerate(runs) if k in mine] for k in range(len(stages))],
-                        pool_devices=[allowed[k] for k in range(len(stages))] if allowed is not None else None)
+                        pool_devices=[allowed[k] for k in range(len(stages))] if allowed is not None else None,
+                        previous=[_previous_stages(actions) for actions in plan.actions],
+                        held_outputs=max((len(d.computes) for d in plan_dispatches(plan)), default=1))
+
+
+def _previous_stages(actions: Sequence[Any]) -> dict[int, int | None]:
+    """``stage_index -> the stage computed just before it`` on a device (``None``: its first), from the
+    device's plan list (with several rounds: the first dispatch's predecessor, or a later one's where the first
+    has none)."""
+    out: dict[int, int | None] = {}
+    last = None
+    for action in actions:
+        if not action.kind.is_compute or action.stage_index == last:
+            continue
+        out.setdefault(action.stage_index, last)
+        if out[action.stage_index] is None and last is not None:
+            out[action.stage_index] = last
+        last = action.stage_index
+    return out
 
 
 def program_slots(plan: Any) -> int:
@@ -244,8 +359,14 @@ def check_program(engine: Any, program: Any, state: Any, banks: int) -> str | No
             if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2:
                 rows, seq_len = max(rows, leaf.shape[0]), max(seq_len, leaf.shape[1])
                 break
+    sample = max((state.acts[(0, index)] for index in range(state.num_microbatches) if (0, index) in state.acts),
+                 key=packed_nbytes, default=None)
+    if sample is not None:  # shapes only: what a shape-only pass of a model the cost model does not know needs
+        sample = pytree.tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t,
+                                 sample)
     if state.keep:  # a training call: the shape the automatic choice and the transfer slots are sized at
         engine.__dict__["memory_shape"] = (rows, seq_len, banks, batch_bytes)
+        engine.__dict__["memory_sample"] = sample
     budgets = [backend.device_budget_bytes() for backend in engine.backends]
     if all(budget is None for budget in budgets):
         return None
@@ -257,7 +378,7 @@ def check_program(engine: Any, program: Any, state: Any, banks: int) -> str | No
     reason = None
     for count in range(banks, 0, -1):
         peaks = predicted_peaks(engine.seq, engine.store, program, rows=rows, seq_len=seq_len, banks=count,
-                                compute_bytes=dtype.itemsize, batch_bytes=batch_bytes)
+                                compute_bytes=dtype.itemsize, batch_bytes=batch_bytes, sample=sample)
         try:
             check_budgets(peaks, budgets, program.plan, count, engine.auto_partition_after_steps is not None)
             break
@@ -282,7 +403,8 @@ def plans_fit(engine: Any, plans: Sequence[Any]) -> bool:
     dtype = engine.autocast_dtype or engine.store.compute_dtype or torch.float32
     for plan in plans:
         peaks = predicted_peaks(engine.seq, engine.store, engine._lower(plan), rows=rows, seq_len=seq_len, banks=1,
-                                compute_bytes=dtype.itemsize, batch_bytes=batch_bytes)
+                                compute_bytes=dtype.itemsize, batch_bytes=batch_bytes,
+                                sample=engine.__dict__.get("memory_sample"))
         if any(budget is not None and peak.peak_bytes > budget for peak, budget in zip(peaks, budgets)):
             return False
     return True
