@@ -33,9 +33,14 @@ ROWS = 3  # per process and batch; the single-process oracle uses 2 * ROWS
 CLIP = 0.05
 
 
-def strategy(**kw) -> lightning_roundpipe.RoundPipeStrategy:
+#: the process group's timeout of the failure modes: longer than the test waits for the processes (300 s), so
+#: a rank that stops in time was stopped by its peer's failure, never by the timeout (no wall-time assertion)
+FAIL_TIMEOUT_S = 900
+
+
+def strategy(timeout_s: float = 30, **kw) -> lightning_roundpipe.RoundPipeStrategy:
     return lightning_roundpipe.RoundPipeStrategy(num_microbatches=3, partition="default",
-                                                 data_parallel=lightning_roundpipe.DataParallel(timeout_s=30), **kw)
+                                                 data_parallel=lightning_roundpipe.DataParallel(timeout_s=timeout_s), **kw)
 
 
 class Launched(L.Callback):
@@ -141,7 +146,8 @@ def fail(mode: str) -> None:
     module = MLPModule(scheduler=False)
     if mode == "raise":
         module.model.insert(2, FailOnRank())
-    t = trainer(strategy(), devices=2, num_nodes=2, max_steps=20, callbacks=[KillOnRank()] if mode == "kill" else [])
+    t = trainer(strategy(timeout_s=FAIL_TIMEOUT_S), devices=2, num_nodes=2, max_steps=20,
+                callbacks=[KillOnRank()] if mode == "kill" else [])
     t.fit(module, loader(VectorData(n=20 * ROWS), ROWS))
 
 

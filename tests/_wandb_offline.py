@@ -7,12 +7,18 @@ mode (they appear only after ``wandb sync``), ``wandb.Api`` needs the server, an
 7-byte record headers: CRC32C, length, type FULL/FIRST/MIDDLE/LAST), each one serialised
 ``wandb.proto.wandb_internal_pb2.Record``. This module walks that framing (CRCs are not checked)
 and decodes the records with the wandb package's own protobuf classes.
+
+The log is read only once no process holds it open (:func:`wait_until_closed`: wandb-core, its writer,
+may still be appending after ``wandb.finish()`` returns or after the job that started it exited); a
+log read mid-write fails to decode (``DecodeError: Wire format was corrupt``, seen on a loaded machine).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,10 +28,50 @@ BLOCK = 32768
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
+def _holders(path: Path) -> list[int]:
+    """Process ids with ``path`` open (Linux ``/proc/<pid>/fd``; processes not ours are not readable, and
+    skipped: the writer is this test's child or grandchild, ours)."""
+    target, pids = str(path.resolve()), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = os.scandir(f"/proc/{entry.name}/fd")
+        except OSError:
+            continue
+        with fds:
+            for fd in fds:
+                try:
+                    if os.readlink(fd.path) == target:
+                        pids.append(int(entry.name))
+                        break
+                except OSError:
+                    continue
+    return pids
+
+
+def wait_until_closed(path: str | Path, timeout_s: float = 600.0) -> None:
+    """Return once no process holds ``path`` open (checked every 0.05 s), so its writer has finished it.
+
+    Raises:
+        TimeoutError: still open after ``timeout_s`` seconds (a hung writer; generous, so a loaded
+            machine never reaches it).
+    """
+    path = Path(path)
+    if not os.path.isdir("/proc"):  # no way to see the writer: the caller's ordering must suffice
+        return
+    deadline = time.monotonic() + timeout_s
+    while pids := _holders(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} is still open (processes {pids}) {timeout_s} s later")
+        time.sleep(0.05)
+
+
 def records(path: str | Path) -> Iterator[Any]:
-    """The ``wandb_internal_pb2.Record`` s of a ``.wandb`` file, in order."""
+    """The ``wandb_internal_pb2.Record`` s of a ``.wandb`` file, in order, once its writer has closed it."""
     from wandb.proto import wandb_internal_pb2 as pb
 
+    wait_until_closed(path)
     data = Path(path).read_bytes()
     if data[:4] != HEADER:
         raise ValueError(f"{path} is not a W&B transaction log (header {data[:7]!r})")

@@ -48,7 +48,7 @@ m = MLPModule.load_from_checkpoint({str(ckpt)!r}, map_location="cpu")
 assert "lightning_roundpipe" not in sys.modules
 print(json.dumps({{n: p.sum().item() for n, p in m.named_parameters()}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     sums = json.loads(out.stdout.strip().splitlines()[-1])
     for n, p in module.named_parameters():

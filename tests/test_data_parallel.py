@@ -179,14 +179,15 @@ def test_resume_across_process_counts(trained):
 @pytest.mark.parametrize("mode", ["raise", "kill"])
 def test_failure_on_one_rank_stops_every_rank(tmp_path, mode):
     """Rank 1 fails in step 2 (its worker raises, or it is SIGKILLed); rank 0 must stop with a clear
-    error within seconds, well before the process group's 30 s timeout (DataParallel(timeout_s=30))."""
-    runs, ended = _popen_two([mode, str(tmp_path)], timeout=150)
+    error, not wait for the process group's timeout: that is 900 s here (`_dp_worker.FAIL_TIMEOUT_S`),
+    longer than this test waits for both processes (300 s, then `TimeoutExpired`), so no wall time is
+    measured."""
+    runs, _ = _popen_two([mode, str(tmp_path)], timeout=300)
     assert runs[0].returncode != 0 and runs[1].returncode != 0, [r.stdout[-3000:] for r in runs]
     assert "RoundPipe data parallel: rank 0 of 2" in runs[0].stdout, runs[0].stdout[-4000:]
     if mode == "raise":
         assert "injected failure on rank 1" in runs[1].stdout
-    failed_at = float((tmp_path / "failed_at").read_text())
-    assert ended[0] - failed_at < 20, ended[0] - failed_at
+    assert (tmp_path / "failed_at").is_file()  # rank 1 failed where it was made to (step 2)
 
 
 def test_buckets_follow_layers_in_reverse_and_tied_params_once():

