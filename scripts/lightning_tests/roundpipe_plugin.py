@@ -1,0 +1,97 @@
+"""pytest plugin: Lightning's own tests under `RoundPipeStrategy` on 2 CPU virtual devices.
+
+Loaded with ``-p roundpipe_plugin`` (this folder on ``PYTHONPATH``; ``run.sh`` does both). It changes two
+things, before any test module is imported:
+
+- ``Trainer(...)``: where a test leaves the choice to Lightning (``strategy`` ``"auto"``, ``accelerator``
+  ``"auto"`` or ``"cpu"``, ``devices`` ``"auto"``, ``1`` or ``"1"``, one node), the Trainer gets
+  ``strategy=RoundPipeStrategy(partition="default")``, ``accelerator="cpu"``, ``devices=2``. A test that
+  names another strategy, accelerator or device count keeps it.
+- ``BoringModel`` (Lightning's demo model, the base of most tests): its ``layer`` is an ``nn.Sequential``
+  (what RoundPipe pipelines) of one ``Linear(32, 2)`` (``ROUNDPIPE_LT_LAYERS=1``, the default: the same
+  parameters, keys ``layer.0.weight``) or of ``Linear(32, 32), ReLU(), Linear(32, 2)``
+  (``ROUNDPIPE_LT_LAYERS=3``: more than one stage per device).
+
+``ROUNDPIPE_LT_OFF=1`` turns both off (the same test ids under the default strategy: the oracle).
+
+Every Trainer the plugin changed is counted; a test whose Trainers were all left alone ran under the
+default strategy (the runner reports how many such tests passed, ``roundpipe_trainers`` in the junit
+properties).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+_LAYERS = int(os.environ.get("ROUNDPIPE_LT_LAYERS", "1"))
+_CHANGED = [0]  # Trainers given RoundPipe in the current test
+
+
+def _auto(value, allowed) -> bool:
+    return value in allowed
+
+
+def _patch_trainer() -> None:
+    from lightning.pytorch import Trainer
+
+    import lightning_roundpipe
+
+    original = Trainer.__init__
+    if getattr(original, "_roundpipe_harness", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        strategy = kwargs.get("strategy", "auto")
+        accelerator = kwargs.get("accelerator", "auto")
+        devices = kwargs.get("devices", "auto")
+        if (isinstance(strategy, str) and strategy == "auto" and _auto(accelerator, ("auto", "cpu"))
+                and _auto(devices, ("auto", 1, "1")) and kwargs.get("num_nodes", 1) == 1 and not args):
+            kwargs.update(strategy=lightning_roundpipe.RoundPipeStrategy(partition="default"),
+                          accelerator="cpu", devices=2)
+            _CHANGED[0] += 1
+        original(self, *args, **kwargs)
+
+    __init__._roundpipe_harness = True
+    Trainer.__init__ = __init__
+
+
+def _patch_boring_model() -> None:
+    from lightning.pytorch.demos import boring_classes
+    from torch import nn
+
+    cls = boring_classes.BoringModel
+    original = cls.__init__
+    if getattr(original, "_roundpipe_harness", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if type(getattr(self, "layer", None)) is nn.Linear and self.layer.in_features == 32:
+            if _LAYERS == 3:
+                self.layer = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+            else:
+                self.layer = nn.Sequential(self.layer)
+
+    __init__._roundpipe_harness = True
+    cls.__init__ = __init__
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("ROUNDPIPE_LT_OFF") == "1":  # the oracle: the same ids under the default strategy
+        return
+    os.environ.setdefault("LIGHTNING_ROUNDPIPE_CHECK_STREAMS", "1")  # fail where a GPU would (as the project's tests)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    _patch_trainer()
+    _patch_boring_model()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    _CHANGED[0] = 0
+    yield
+    item.user_properties.append(("roundpipe_trainers", _CHANGED[0]))

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Lightning's own tests under RoundPipeStrategy on 2 CPU virtual devices (see README.md).
+# usage: scripts/lightning_tests/run.sh TESTS_DIR [IDS_FILE] [pytest args...]
+#   TESTS_DIR: the folder holding `tests_pytorch` (Lightning's tests at the installed version's tag)
+#   IDS_FILE:  test ids, one a line (default: selected_ids.txt next to this script)
+# env: PYTHON (default: python), LOG (default: ./lightning_tests.log), ROUNDPIPE_LT_LAYERS=1|3,
+#      ROUNDPIPE_LT_OFF=1 (the default strategy: the oracle), WORKERS (default 2), TIMEOUT_S (default 3600)
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+tests="$(cd "$1" && pwd)"; shift
+ids="${1:-$here/selected_ids.txt}"; [ $# -gt 0 ] && shift
+log="${LOG:-$PWD/lightning_tests.log}"
+python="${PYTHON:-python}"
+workers="${WORKERS:-2}"
+xdist=(); [ "$workers" != 0 ] && xdist=(-n "$workers")
+cd "$tests"
+# -rfE: the failures' one-line reasons at the end; -v: one line per finished test (counted even if the run is cut)
+PYTHONPATH="$repo:$here:$tests${PYTHONPATH:+:$PYTHONPATH}" timeout "${TIMEOUT_S:-3600}" \
+  "$python" -m pytest -p roundpipe_plugin -p no:cacheprovider -v -rfE --tb=line "${xdist[@]}" "$@" \
+  $(grep -v '^#' "$ids") >"$log" 2>&1
+rc=$?
+"$python" "$here/summarize.py" "$log"
+echo "pytest exit status: $rc (124: cut by TIMEOUT_S); log: $log"
