@@ -14,11 +14,12 @@ log="${LOG:-$PWD/lightning_tests.log}"
 python="${PYTHON:-python}"
 workers="${WORKERS:-2}"
 xdist=(); [ "$workers" != 0 ] && xdist=(-n "$workers")
+mapfile -t idlist < <(grep -v -e '^#' -e '^$' "$ids")  # one id a line; ids may hold spaces
 cd "$tests"
 # -rfE: the failures' one-line reasons at the end; -v: one line per finished test (counted even if the run is cut)
 PYTHONPATH="$repo:$here:$tests${PYTHONPATH:+:$PYTHONPATH}" timeout "${TIMEOUT_S:-3600}" \
   "$python" -m pytest -p roundpipe_plugin -p no:cacheprovider -v -rfE --tb=line "${xdist[@]}" "$@" \
-  $(grep -v '^#' "$ids") >"$log" 2>&1
+  "${idlist[@]}" >"$log" 2>&1
 rc=$?
 "$python" "$here/summarize.py" "$log"
 echo "pytest exit status: $rc (124: cut by TIMEOUT_S); log: $log"

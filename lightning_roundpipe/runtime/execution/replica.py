@@ -136,8 +136,8 @@ class HostAttributes:
     Args:
         replicas: per device, the :class:`LayerReplica` of every layer (the executor's ``replicas``).
 
-    Cost: one pass over each module's attribute dict per :meth:`changed` (identity checks; about a
-    microsecond per module), the copy only for the attributes that changed.
+    Cost: one comparison of each module's attribute dict with the one seen per :meth:`changed` (2 us
+    a module of a Llama decoder layer on a loaded 2-core CPU), the copy only for what changed.
     """
 
     def __init__(self, replicas: "list[list[LayerReplica]]") -> None:
@@ -150,13 +150,16 @@ class HostAttributes:
 
     def changed(self) -> list[tuple[nn.Module, str]]:
         """``(module, attribute name)`` of each attribute set, replaced or deleted on a layer's
-        module since the last :meth:`push` (a value counts as changed when it is another object,
-        except equal plain scalars and strings)."""
+        module since the last :meth:`push`: in a module whose attribute dict is not equal (``==``) to
+        the one seen, each value that is another object, except equal plain scalars and strings."""
         out = []
         for key, (original, _) in self._copies.items():
             now, seen = original.__dict__, self._seen[key]
-            if now.keys() == seen.keys() and all(value is seen[name] for name, value in now.items()):
-                continue
+            try:
+                if now == seen:  # identity first, then `==`: the common case, nothing changed
+                    continue
+            except Exception:  # a value whose `==` is no bool (a tensor of several elements)
+                pass
             for name in sorted((now.keys() | seen.keys()) - _OWN_ATTRIBUTES):
                 if not _same(now.get(name, _MISSING), seen.get(name, _MISSING)):
                     out.append((original, name))
