@@ -1,6 +1,6 @@
 """pytest plugin: Lightning's own tests under `RoundPipeStrategy` on 2 CPU virtual devices.
 
-Loaded with ``-p roundpipe_plugin`` (this folder on ``PYTHONPATH``; ``run.sh`` does both). It changes two
+Loaded with ``-p roundpipe_plugin`` (this folder on ``PYTHONPATH``; ``run.sh`` does both). It changes three
 things, before any test module is imported:
 
 - ``Trainer(...)``: where a test leaves the choice to Lightning (``strategy`` ``"auto"``, ``accelerator``
@@ -9,8 +9,9 @@ things, before any test module is imported:
   names another strategy, accelerator or device count keeps it.
 - ``BoringModel`` (Lightning's demo model, the base of most tests): its ``layer`` is an ``nn.Sequential``
   (what RoundPipe pipelines) of one ``Linear(32, 2)`` (``ROUNDPIPE_LT_LAYERS=1``, the default: the same
-  parameters, keys ``layer.0.weight``) or of ``Linear(32, 32), ReLU(), Linear(32, 2)``
-  (``ROUNDPIPE_LT_LAYERS=3``: more than one stage per device).
+  parameters, keys ``layer.0.weight``, ``layer.weight`` readable) or of ``Linear(32, 32), ReLU(),
+  Linear(32, 2)`` (``ROUNDPIPE_LT_LAYERS=3``: more than one stage per device). A test's own model with a
+  ``layer = nn.Linear(...)`` and nothing else to pipeline gets the same when a RoundPipe Trainer runs it.
 
 ``ROUNDPIPE_LT_OFF=1`` turns both off (the same test ids under the default strategy: the oracle).
 
@@ -59,6 +60,24 @@ def _patch_trainer() -> None:
     Trainer.__init__ = __init__
 
 
+def _sequence(linear):
+    """``linear`` as an ``nn.Sequential`` (what RoundPipe pipelines): the same ``Linear`` (its parameters, the
+    same objects) as the one layer, with its ``weight``, ``bias``, ``in_features`` and ``out_features`` readable
+    as before (tests read ``self.layer.weight``); with ``ROUNDPIPE_LT_LAYERS=3`` a ``Linear, ReLU, Linear``
+    sequence (new parameters) when ``linear`` is BoringModel's ``Linear(32, 2)``."""
+    from torch import nn
+
+    class LinearSequence(nn.Sequential):
+        weight = property(lambda self: self[-1].weight)
+        bias = property(lambda self: self[-1].bias)
+        in_features = property(lambda self: self[0].in_features)
+        out_features = property(lambda self: self[-1].out_features)
+
+    if _LAYERS == 3 and (linear.in_features, linear.out_features) == (32, 2):
+        return LinearSequence(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+    return LinearSequence(linear)
+
+
 def _patch_boring_model() -> None:
     from lightning.pytorch.demos import boring_classes
     from torch import nn
@@ -71,14 +90,37 @@ def _patch_boring_model() -> None:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        if type(getattr(self, "layer", None)) is nn.Linear and self.layer.in_features == 32:
-            if _LAYERS == 3:
-                self.layer = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
-            else:
-                self.layer = nn.Sequential(self.layer)
+        if type(getattr(self, "layer", None)) is nn.Linear:
+            self.layer = _sequence(self.layer)
 
     __init__._roundpipe_harness = True
     cls.__init__ = __init__
+
+
+def _patch_run() -> None:
+    """A test's own model that sets ``self.layer = nn.Linear(...)`` after ``BoringModel.__init__`` (and has no
+    other pipelinable module) gets it as a sequence when a RoundPipe Trainer runs it (before the strategy's
+    setup, so ``configure_optimizers`` sees the same parameters)."""
+    from lightning.pytorch import Trainer
+    from torch import nn
+
+    import lightning_roundpipe
+    from lightning_roundpipe.adapters import is_supported
+
+    original = Trainer._run
+    if getattr(original, "_roundpipe_harness", False):
+        return
+
+    @functools.wraps(original)
+    def _run(self, model, *args, **kwargs):
+        if (isinstance(self.strategy, lightning_roundpipe.RoundPipeStrategy)
+                and type(getattr(model, "layer", None)) is nn.Linear
+                and not any(is_supported(m) for n, m in model.named_modules() if n)):
+            model.layer = _sequence(model.layer)
+        return original(self, model, *args, **kwargs)
+
+    _run._roundpipe_harness = True
+    Trainer._run = _run
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -88,6 +130,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("WANDB_MODE", "disabled")
     _patch_trainer()
     _patch_boring_model()
+    _patch_run()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -4,7 +4,8 @@
 #   TESTS_DIR: the folder holding `tests_pytorch` (Lightning's tests at the installed version's tag)
 #   IDS_FILE:  test ids, one a line (default: selected_ids.txt next to this script)
 # env: PYTHON (default: python), LOG (default: ./lightning_tests.log), ROUNDPIPE_LT_LAYERS=1|3,
-#      ROUNDPIPE_LT_OFF=1 (the default strategy: the oracle), WORKERS (default 2), TIMEOUT_S (default 3600)
+#      ROUNDPIPE_LT_OFF=1 (the default strategy: the oracle), WORKERS (default 2), TIMEOUT_S (default 3600),
+#      ORACLE=0 (do not re-run the failures under the default strategy)
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -21,5 +22,15 @@ PYTHONPATH="$repo:$here:$tests${PYTHONPATH:+:$PYTHONPATH}" timeout "${TIMEOUT_S:
   "$python" -m pytest -p roundpipe_plugin -p no:cacheprovider -v -rfE --tb=line "${xdist[@]}" "$@" \
   "${idlist[@]}" >"$log" 2>&1
 rc=$?
-"$python" "$here/summarize.py" "$log"
+"$python" "$here/summarize.py" "$log" --failed-out "$log.failed" >/dev/null
+if [ "${ORACLE:-1}" = 1 ] && [ -s "$log.failed" ] && [ "${ROUNDPIPE_LT_OFF:-0}" != 1 ]; then
+  # the oracle: the failed ids again under the default strategy (a test failing there too is not RoundPipe's)
+  mapfile -t failed < "$log.failed"
+  PYTHONPATH="$repo:$here:$tests${PYTHONPATH:+:$PYTHONPATH}" ROUNDPIPE_LT_OFF=1 timeout "${TIMEOUT_S:-3600}" \
+    "$python" -m pytest -p roundpipe_plugin -p no:cacheprovider -v -rfE --tb=line "${xdist[@]}" "$@" \
+    "${failed[@]}" >"$log.oracle" 2>&1
+  "$python" "$here/summarize.py" "$log" --oracle "$log.oracle"
+else
+  "$python" "$here/summarize.py" "$log"
+fi
 echo "pytest exit status: $rc (124: cut by TIMEOUT_S); log: $log"
