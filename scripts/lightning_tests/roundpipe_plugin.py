@@ -138,3 +138,15 @@ def pytest_runtest_call(item: pytest.Item):
     _CHANGED[0] = 0
     yield
     item.user_properties.append(("roundpipe_trainers", _CHANGED[0]))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``ROUNDPIPE_LT_REASONS=FILE``: one line per failed phase, written as it happens (a run cut by its
+    timeout keeps them): ``id<TAB>phase<TAB>the error's first line``."""
+    path = os.environ.get("ROUNDPIPE_LT_REASONS")
+    if not path or not report.failed:
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = (crash.message if crash is not None else str(report.longrepr)).replace("\n", " | ")[:400]
+    with open(path, "a") as out:
+        out.write(f"{report.nodeid}\t{report.when}\t{message}\n")
