@@ -60,6 +60,21 @@ def _patch_trainer() -> None:
     Trainer.__init__ = __init__
 
 
+def _linear_sequence_class():
+    from torch import nn
+
+    global LinearSequence
+
+    class LinearSequence(nn.Sequential):  # module level: models pickled for ddp_spawn tests unpickle
+        weight = property(lambda self: self[-1].weight)
+        bias = property(lambda self: self[-1].bias)
+        in_features = property(lambda self: self[0].in_features)
+        out_features = property(lambda self: self[-1].out_features)
+
+    LinearSequence.__module__, LinearSequence.__qualname__ = __name__, "LinearSequence"
+    return LinearSequence
+
+
 def _sequence(linear):
     """``linear`` as an ``nn.Sequential`` (what RoundPipe pipelines): the same ``Linear`` (its parameters, the
     same objects) as the one layer, with its ``weight``, ``bias``, ``in_features`` and ``out_features`` readable
@@ -67,15 +82,10 @@ def _sequence(linear):
     sequence (new parameters) when ``linear`` is BoringModel's ``Linear(32, 2)``."""
     from torch import nn
 
-    class LinearSequence(nn.Sequential):
-        weight = property(lambda self: self[-1].weight)
-        bias = property(lambda self: self[-1].bias)
-        in_features = property(lambda self: self[0].in_features)
-        out_features = property(lambda self: self[-1].out_features)
-
+    cls = globals().get("LinearSequence") or _linear_sequence_class()
     if _LAYERS == 3 and (linear.in_features, linear.out_features) == (32, 2):
-        return LinearSequence(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
-    return LinearSequence(linear)
+        return cls(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+    return cls(linear)
 
 
 def _patch_boring_model() -> None:
@@ -144,7 +154,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With ``ROUNDPIPE_LT_REASONS=FILE``: one line per failed phase, written as it happens (a run cut by its
     timeout keeps them): ``id<TAB>phase<TAB>the error's first line``."""
     path = os.environ.get("ROUNDPIPE_LT_REASONS")
-    if not path or not report.failed:
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):  # xdist: the controller writes
         return
     crash = getattr(report.longrepr, "reprcrash", None)
     message = (crash.message if crash is not None else str(report.longrepr)).replace("\n", " | ")[:400]
