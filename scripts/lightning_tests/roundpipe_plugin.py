@@ -26,6 +26,7 @@ import functools
 import os
 
 import pytest
+from torch import nn
 
 _LAYERS = int(os.environ.get("ROUNDPIPE_LT_LAYERS", "1"))
 _CHANGED = [0]  # Trainers given RoundPipe in the current test
@@ -60,19 +61,14 @@ def _patch_trainer() -> None:
     Trainer.__init__ = __init__
 
 
-def _linear_sequence_class():
-    from torch import nn
+class LinearSequence(nn.Sequential):
+    """An ``nn.Sequential`` that reads like the ``Linear`` it holds (module level: a model pickled for a
+    ``ddp_spawn`` test unpickles in the spawned process)."""
 
-    global LinearSequence
-
-    class LinearSequence(nn.Sequential):  # module level: models pickled for ddp_spawn tests unpickle
-        weight = property(lambda self: self[-1].weight)
-        bias = property(lambda self: self[-1].bias)
-        in_features = property(lambda self: self[0].in_features)
-        out_features = property(lambda self: self[-1].out_features)
-
-    LinearSequence.__module__, LinearSequence.__qualname__ = __name__, "LinearSequence"
-    return LinearSequence
+    weight = property(lambda self: self[-1].weight)
+    bias = property(lambda self: self[-1].bias)
+    in_features = property(lambda self: self[0].in_features)
+    out_features = property(lambda self: self[-1].out_features)
 
 
 def _sequence(linear):
@@ -80,12 +76,9 @@ def _sequence(linear):
     same objects) as the one layer, with its ``weight``, ``bias``, ``in_features`` and ``out_features`` readable
     as before (tests read ``self.layer.weight``); with ``ROUNDPIPE_LT_LAYERS=3`` a ``Linear, ReLU, Linear``
     sequence (new parameters) when ``linear`` is BoringModel's ``Linear(32, 2)``."""
-    from torch import nn
-
-    cls = globals().get("LinearSequence") or _linear_sequence_class()
     if _LAYERS == 3 and (linear.in_features, linear.out_features) == (32, 2):
-        return cls(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
-    return cls(linear)
+        return LinearSequence(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+    return LinearSequence(linear)
 
 
 def _patch_boring_model() -> None:
