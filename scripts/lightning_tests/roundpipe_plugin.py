@@ -15,9 +15,8 @@ things, before any test module is imported:
 
 ``ROUNDPIPE_LT_OFF=1`` turns both off (the same test ids under the default strategy: the oracle).
 
-Every Trainer the plugin changed is counted; a test whose Trainers were all left alone ran under the
-default strategy (the runner reports how many such tests passed, ``roundpipe_trainers`` in the junit
-properties).
+Every test records how many Trainers the plugin changed (``roundpipe_trainers`` in the junit
+properties, with ``--junitxml``); a test with 0 ran under the default strategy only.
 """
 
 from __future__ import annotations
