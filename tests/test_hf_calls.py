@@ -288,6 +288,52 @@ def test_attributes_a_layer_sets_in_forward_are_announced_once():
     assert max_diff(params(ref_module), params(module)) <= 1e-5
 
 
+class Scaled(nn.Module):
+    """Multiplies by a plain attribute (and adds an optional one): configuration a callback may change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+        self.shift = 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + getattr(self, "shift", 0.0)
+
+
+class ScaledModule(RecorderModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), Scaled(), nn.Linear(16, 4))
+
+
+class ChangeAttributes(L.Callback):
+    """Step 1: replace `scale`; step 2: delete `shift`; step 3: set it again (plain attributes set during fit)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        layer = pl_module.model[2]
+        if batch_idx == 1:
+            layer.scale = 3.0
+        elif batch_idx == 2:
+            del layer.shift
+        elif batch_idx == 3:
+            layer.shift = -1.0
+
+
+def test_attributes_set_on_layers_during_fit_reach_the_replicas():
+    """Plain attributes a callback replaces, deletes and sets again on a layer between steps are seen by
+    the next step's pipelined forward: the parameters equal the default strategy's, and no warning names them."""
+    ref_module = ScaledModule()
+    trainer(max_steps=4, callbacks=[ChangeAttributes()]).fit(ref_module, loader(VectorData()))
+    module = ScaledModule()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer(_strategy(), devices=2, max_steps=4, callbacks=[ChangeAttributes()]).fit(module, loader(VectorData()))
+    assert not [m for m in _messages(record) if DIVERGED in m]
+    assert (module.model[2].scale, module.model[2].shift) == (3.0, -1.0)
+    assert max_diff(params(ref_module), params(module)) <= 1e-6
+
+
 def test_64_true_chunked_loss_is_hf_exact():
     """fp64 logits: the chunked loss (several chunks, recomputed) gives transformers' `ForCausalLMLoss`
     gradients to fp64 rounding (it was fp32-accurate: relative error about 1e-7)."""

@@ -451,3 +451,31 @@ def test_metrics_stay_out_of_user_dicts_and_follow_log_every_n_steps(tmp_path):
     assert roundpipe_steps == user_steps
     assert seen["auto"][1] == []
     assert dicts == list(seen["auto"][2:])
+
+
+def test_stochastic_weight_averaging_with_batchnorm_equals_default():
+    """Lightning's `StochasticWeightAveraging` on a model with BatchNorm sets `momentum = None` on the layers in
+    its last epoch (a plain attribute set during fit) and recomputes the running statistics of the averaged
+    weights: the replicas follow the layer's attribute, so weights and statistics equal the default strategy's,
+    and no attribute warning is given. With `momentum = None` torch's BatchNorm reads `num_batches_tracked` as a
+    Python float (a host sync on a GPU, under the default strategy too): the checking mode counts those, one per
+    training microbatch of that epoch (one microbatch a batch in train mode), and no other."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from lightning_roundpipe.runtime.backends import op_check
+
+    results = {}
+    for strategy in ("auto", "roundpipe"):
+        module = _BatchNormModule()
+        t = _make_trainer(strategy, roundpipe=_roundpipe(num_microbatches=3), max_epochs=3, limit_train_batches=3,
+                          limit_val_batches=0, callbacks=[StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)])
+        with warnings.catch_warnings(record=True) as caught, op_check.count_syncs() as syncs:
+            warnings.simplefilter("always")
+            t.fit(module, loader(VectorData(n=21)))
+        assert not [w for w in caught if "attribute" in str(w.message)], strategy
+        if strategy == "roundpipe":  # the statistics epoch: 3 batches
+            assert syncs.total == 3 and all(what == "`float()`" for _, what, _ in syncs.sites), syncs.report()
+        assert module.model[1].momentum == 0.1  # restored by the callback at the end of fit
+        results[strategy] = {k: v.float() for k, v in module.state_dict().items()}
+    assert results["roundpipe"]["model.1.num_batches_tracked"] == results["auto"]["model.1.num_batches_tracked"]
+    assert max_diff(results["roundpipe"], results["auto"]) <= TOL

@@ -411,7 +411,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         engine = self.engine
         if engine is None or self._warned_attributes:
             return
-        found = diverged_attributes(engine.executor.replicas)
+        found = diverged_attributes(engine.executor.replicas, engine.executor.attributes)
         if not found:
             return
         self._warned_attributes = True

@@ -50,7 +50,7 @@ from lightning_roundpipe.runtime.backends.threads import limit_this_thread
 from lightning_roundpipe.runtime.execution.carry import diff_leaves, grad_leaves, grad_positions, snapshot
 from lightning_roundpipe.runtime.execution.devices import StreamThread
 from lightning_roundpipe.runtime.execution.errors import ErrorNotes
-from lightning_roundpipe.runtime.execution.replica import LayerReplica
+from lightning_roundpipe.runtime.execution.replica import HostAttributes, LayerReplica
 from lightning_roundpipe.runtime.execution.residency import ResidencyOps, last_compute_ops, room_flushes
 from lightning_roundpipe.runtime.execution.transfers import TransferOps
 from lightning_roundpipe.runtime.replay.rng import layer_seed, rng_layers, rng_scope  # noqa: F401 (rng_layers: the engine's)
@@ -79,6 +79,7 @@ class Executor(TransferOps, ResidencyOps):
         self.autocast_dtype = autocast_dtype
         self.profiler = None  # a runtime.profiler.LayerProfiler while profiling
         self.replicas = [[LayerReplica(layer) for layer in seq.layers] for _ in backends]
+        self.attributes = HostAttributes(self.replicas)  # plain attributes set on the layers reach the replicas
         # CPU virtual devices own the cores: the host threads, busy while the devices compute, run on
         # one intra-op thread each (an OpenMP team would wait for cores the devices hold)
         setup = (lambda: limit_this_thread(1)) if backends and not any(b.is_cuda for b in backends) else None
@@ -157,7 +158,8 @@ class Executor(TransferOps, ResidencyOps):
         in flight on each (device, stream) (the stream threads take jobs in order), from the other
         pool bank, so the two never share a buffer. At most two runs are in flight: an older one is
         finished first; so is every run in flight when the weights' shadows are stale (the refresh
-        must not overwrite what an earlier run uploads).
+        must not overwrite what an earlier run uploads) or when plain attributes were set on the
+        layers since the last start (they are then copied to the replicas: :class:`HostAttributes`).
 
         Raises:
             ``NotImplementedError`` for op kinds the runtime does not execute (``W``); the error of an
@@ -168,6 +170,11 @@ class Executor(TransferOps, ResidencyOps):
                 raise NotImplementedError(f"The runtime cannot execute `{op}` ({op.kind.value} ops are simulator-only).")
         while len(self.in_flight) >= 2:
             self.finish(self.in_flight[0])
+        changes = self.attributes.changed()  # attributes set on the layers since the last program (SWA's momentum)
+        if changes:  # the runs in flight (a forward and its recomputation) keep the values they started with
+            while self.in_flight:
+                self.finish(self.in_flight[0])
+            self.attributes.push(changes)
         stale = self.store.stale_entries()  # raises here, in the main thread, for a parameter unfrozen too late
         if stale:
             while self.in_flight:

@@ -6,7 +6,9 @@ whose parameters and buffers are bound to the tensors uploaded to that device. N
 between devices, and a forward and a backward stage over the same layer may run at once on two
 devices (the fused plan), which ``torch.func.functional_call`` on the shared module could not do
 (it swaps the module's attributes while it runs). Binding copies each original module's
-``training`` flag, so ``model.eval()`` is honoured.
+``training`` flag, so ``model.eval()`` is honoured. Plain attributes set on a layer's modules
+after the replicas were made (a callback's ``momentum = None`` on a BatchNorm, PEFT's
+``set_adapter``) reach them at the next program's start (:class:`HostAttributes`).
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def _same(a: object, b: object) -> bool:
     return a is b or (type(a) is type(b) and isinstance(a, _PLAIN) and a == b)
 
 
-def diverged_attributes(replicas: "list[list[LayerReplica]]") -> list[tuple[nn.Module, str]]:
+def diverged_attributes(replicas: "list[list[LayerReplica]]",
+                        followed: "HostAttributes | None" = None) -> list[tuple[nn.Module, str]]:
     """Plain attributes (not parameters, buffers, submodules nor ``training``) that differ between a
     layer's modules and any device's replica of them: set (or changed) by a forward on the replica,
     which the layer never sees, or set on the layer after the replicas were made, which they never
@@ -104,16 +107,76 @@ def diverged_attributes(replicas: "list[list[LayerReplica]]") -> list[tuple[nn.M
 
     Args:
         replicas: per device, the :class:`LayerReplica` of every layer (the executor's ``replicas``).
+        followed: the executor's :class:`HostAttributes`: attributes changed on a layer since its last
+            push are not named (the next program's start copies them to the replicas).
 
     Returns:
         ``(original module, attribute name)`` pairs, once each, in layer order.
     """
     found: dict[tuple[int, str], tuple[nn.Module, str]] = {}
+    pending = {(id(module), key) for module, key in followed.changed()} if followed is not None else set()
     for device_replicas in replicas:
         for replica in device_replicas:
             for original, copy in replica.pairs:
                 mine, theirs = original.__dict__, copy.__dict__
                 for key in sorted((mine.keys() | theirs.keys()) - _OWN_ATTRIBUTES):
-                    if not _same(mine.get(key, _MISSING), theirs.get(key, _MISSING)):
+                    if (id(original), key) not in pending and not _same(mine.get(key, _MISSING), theirs.get(key, _MISSING)):
                         found.setdefault((id(original), key), (original, key))
     return list(found.values())
+
+
+class HostAttributes:
+    """Follows the plain attributes of the layers' modules (everything in a module's ``__dict__`` but
+    its parameter, buffer and submodule tables and ``training``) for the devices' replicas: an
+    attribute set, replaced or deleted on a layer since the last :meth:`push` (by a callback, the
+    LightningModule, PEFT) is copied to every device's replica of that module at the next push,
+    which the executor makes before a program's ops are issued. Attributes a replica sets on itself
+    in forward are left alone (:func:`diverged_attributes` names them).
+
+    Args:
+        replicas: per device, the :class:`LayerReplica` of every layer (the executor's ``replicas``).
+
+    Cost: one comparison of each module's attribute dict with the one seen per :meth:`changed` (2 us
+    a module of a Llama decoder layer on a loaded 2-core CPU), the copy only for what changed.
+    """
+
+    def __init__(self, replicas: "list[list[LayerReplica]]") -> None:
+        self._copies: dict[int, tuple[nn.Module, list[nn.Module]]] = {}
+        for device_replicas in replicas:
+            for replica in device_replicas:
+                for original, copy in replica.pairs:
+                    self._copies.setdefault(id(original), (original, []))[1].append(copy)
+        self._seen = {key: dict(original.__dict__) for key, (original, _) in self._copies.items()}
+
+    def changed(self) -> list[tuple[nn.Module, str]]:
+        """``(module, attribute name)`` of each attribute set, replaced or deleted on a layer's
+        module since the last :meth:`push`: in a module whose attribute dict is not equal (``==``) to
+        the one seen, each value that is another object, except equal plain scalars and strings."""
+        out = []
+        for key, (original, _) in self._copies.items():
+            now, seen = original.__dict__, self._seen[key]
+            try:
+                if now == seen:  # identity first, then `==`: the common case, nothing changed
+                    continue
+            except Exception:  # a value whose `==` is no bool (a tensor of several elements)
+                pass
+            for name in sorted((now.keys() | seen.keys()) - _OWN_ATTRIBUTES):
+                if not _same(now.get(name, _MISSING), seen.get(name, _MISSING)):
+                    out.append((original, name))
+        return out
+
+    def push(self, changes: list[tuple[nn.Module, str]] | None = None) -> list[tuple[nn.Module, str]]:
+        """Copy the changed attributes (``changes``, default :meth:`changed`) to every replica of their
+        module and remember the layers' current attributes; returns the changes. Call it while no
+        program runs on the replicas (a forward and its recomputation must see one value)."""
+        changes = self.changed() if changes is None else changes
+        for original, name in changes:
+            value = original.__dict__.get(name, _MISSING)
+            for copy in self._copies[id(original)][1]:
+                if value is _MISSING:
+                    copy.__dict__.pop(name, None)
+                else:
+                    copy.__dict__[name] = value
+        for key, (original, _) in self._copies.items():
+            self._seen[key] = dict(original.__dict__)
+        return changes
