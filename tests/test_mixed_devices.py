@@ -419,7 +419,7 @@ def test_speeds_too_far_apart_and_whole_number_budgets():
     assert lightning_roundpipe.RoundPipeStrategy(device_memory_bytes=1e9).device_memory_bytes == 10**9
     assert lightning_roundpipe.RoundPipeStrategy(device_memory_bytes=[np.int64(2**30), 2e6]).device_memory_bytes == (
         2**30, 2 * 10**6)
-    with pytest.raises(ValueError, match="`device_memory_bytes` must be a positive int, got 1.5"):
+    with pytest.raises(ValueError, match="`device_memory_bytes` must be a whole number of bytes .*, got 1.5"):
         lightning_roundpipe.RoundPipeStrategy(device_memory_bytes=1.5)
 
 
