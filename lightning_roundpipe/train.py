@@ -273,6 +273,29 @@ def resolve_ckpt_path(ckpt_path: Any, trainer: Any) -> str | None:
     return str(newest)
 
 
+def check_ckpt_file(ckpt_path: Any) -> None:
+    """Check a ``ckpt_path`` that names a file before the model loads (the resume itself comes after the
+    first validation): it exists and is a checkpoint, which ``torch.save`` writes as a zip archive.
+    ``None``, ``last``, ``best``, ``hpc`` and ``registry...`` are left to :func:`resolve_ckpt_path`.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the path is a folder, or a file that is not a checkpoint.
+    """
+    import zipfile
+
+    if ckpt_path is None or str(ckpt_path) in ("last", "best", "hpc") or str(ckpt_path).startswith("registry"):
+        return
+    path = Path(hydra.utils.to_absolute_path(str(ckpt_path)))
+    hint = (" HINT: give a `.ckpt` file the job wrote (`<output_dir>/checkpoints/interrupted-step=<N>.ckpt`), quoted"
+            " where it holds `=`: `'ckpt_path=\"<path>\"'`; or `ckpt_path=last` with that run's `hydra.run.dir`.")
+    if not path.exists():
+        raise FileNotFoundError(f"`ckpt_path`: no such file, {path}.{hint}")
+    if not path.is_file() or not zipfile.is_zipfile(path):
+        raise ValueError(f"`ckpt_path`: {path} is not a checkpoint ({'a folder' if path.is_dir() else 'not a torch.save archive'})."
+                         + hint)
+
+
 def _sigterm_exit(exc: BaseException) -> int:
     """The exit status of a job that Lightning stopped on SIGTERM (``SIGTERMException``, raised after the
     ``on_exception`` hooks saved the adapter and checkpoint): the exception's own code where Lightning
@@ -283,6 +306,12 @@ def _sigterm_exit(exc: BaseException) -> int:
 
     code = getattr(exc, "code", None)
     return code if isinstance(code, int) and code != 0 else 128 + int(signal.SIGTERM)
+
+
+def _steps_run(resumed_at: dict[str, int], global_step: int) -> str:
+    """``"40 steps"``, or for a resumed fit ``"3 steps (from step 2 to 5)"``: the steps this process trained."""
+    first = resumed_at.get("step", 0)
+    return f"{global_step - first} steps" + (f" (from step {first} to {global_step})" if first else "")
 
 
 def _say(line: str) -> None:
@@ -332,6 +361,7 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
     from lightning_roundpipe.recipes.config_check import check_config_types
 
     check_config_types(cfg)  # a wrong type names its key here, before the model loads
+    check_ckpt_file(cfg.get("ckpt_path"))  # and a checkpoint path that is no checkpoint
     _log_lightning_once()
     if _OPENMP in _OPENMP_LINES:
         from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -370,6 +400,10 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         # the job's checkpoints hold its hyperparameters (a `peft.LoraConfig`, the optimizer's partial), which
         # `torch.load(weights_only=True)` (torch's default since 2.6) refuses: load them as Lightning's docs say
         # for a trusted source
+        from lightning.pytorch.callbacks import LambdaCallback
+
+        resumed_at: dict[str, int] = {}  # the step fit starts from (after a checkpoint is restored)
+        trainer.callbacks.append(LambdaCallback(on_train_start=lambda tr, _: resumed_at.setdefault("step", tr.global_step)))
         trainer.fit(module, datamodule=datamodule, **({"ckpt_path": ckpt_path, "weights_only": False} if ckpt_path else {}))
         times["fit_s"] = time.perf_counter() - t
         step = _last_step_metrics(trainer, getattr(datamodule, "tokens_per_batch", None))
@@ -380,7 +414,7 @@ def run(cfg: DictConfig, start_s: float | None = None) -> dict[str, float]:
         times["total_s"] = time.perf_counter() - start
         _say(f"val loss after: {after:.4f}")
         _say(f"wall time: {times['total_s']:.1f} s (load {times['load_s']:.1f} s, validate {times['validate_before_s']:.1f}"
-             f" + {times['validate_after_s']:.1f} s, fit {times['fit_s']:.1f} s for {trainer.global_step} steps)")
+             f" + {times['validate_after_s']:.1f} s, fit {times['fit_s']:.1f} s for {_steps_run(resumed_at, trainer.global_step)})")
         summary = {"val/loss_before": before, "val/loss_after": after, **{f"time/{k}": v for k, v in times.items()}}
         for logger in trainer.loggers:
             logger.log_metrics(summary, step=trainer.global_step)

@@ -333,3 +333,38 @@ def test_app_sets_passive_openmp_before_torch(given: str | None, import_torch_fi
     from lightning_roundpipe.train import _OPENMP_LINES
 
     assert "HINT: `export OMP_WAIT_POLICY=PASSIVE`" in _OPENMP_LINES["late"]
+
+
+def test_progress_lines_after_a_mid_epoch_resume(caplog, tmp_path: Path) -> None:
+    """Resumed mid-epoch (`ckpt_path`), Lightning calls no `on_train_epoch_start`: the lines still say
+    batches done out of the epoch's total, with the seconds per batch of the batches this run trained,
+    not `3 batches, -0.00 s/batch` (a new user's resumed main job). Oracle: the uninterrupted run's lines."""
+    import re
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_roundpipe.recipes.callbacks import ProgressLines
+
+    class SaveAtStep3(pl.Callback):  # a checkpoint from inside the epoch, as the job's on-exception one
+        def on_train_batch_end(self, trainer, *_):
+            if trainer.global_step == 3:
+                trainer.save_checkpoint(tmp_path / "step3.ckpt")
+
+    def fit(callbacks=(), ckpt_path=None) -> list[str]:
+        trainer = pl.Trainer(max_steps=6, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
+                             accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_model_summary=False, callbacks=[ProgressLines(refresh_rate=1), *callbacks],
+                             default_root_dir=tmp_path)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Epoch 0: ")]
+
+    def done_of_total(lines: list[str]) -> list[str]:
+        assert all(re.search(r"\), [0-9.]+ s/batch, ", m) for m in lines), lines
+        return [re.match(r"Epoch 0: (\d+/\d+ \(\d+%\))", m).group(1) for m in lines]
+
+    straight = done_of_total(fit([SaveAtStep3()]))
+    resumed = done_of_total(fit(ckpt_path=str(tmp_path / "step3.ckpt")))
+    assert resumed == straight[3:] == ["4/6 (67%)", "5/6 (83%)", "6/6 (100%)"], (straight, resumed)

@@ -107,7 +107,7 @@ def test_bad_inputs_exit_2_with_message(capsys):
     assert "valid presets" in err and "qwen3-32b" in err
     assert main(["plan", "--preset", "qwen3-1.7b", "--devices", "0"]) == 2
     assert "`--devices`" in capsys.readouterr().err
-    assert main(["plan", "--preset", "qwen3-32b", "--device-memory-gib", "2"]) == 2
+    assert main(["plan", "--preset", "qwen3-32b", "--device-memory-gib", "2"]) == 1  # does not fit: not a bad argument
     assert "over the per-stage memory budget" in capsys.readouterr().err
     assert main(["plan", "--preset", "qwen3-1.7b", "--devices", "1000"]) == 2  # refused at once (was minutes)
     assert "`--devices` must be in 1..64" in capsys.readouterr().err
@@ -361,12 +361,12 @@ def test_one_per_stage_budget_each_labelled(tmp_path, capsys):
 
 
 def test_a_layer_over_the_stage_budget_names_changes_that_fit(tmp_path, capsys):
-    """A single layer over the per-stage budget (no partition exists): exit 2 with the layer's bytes, and a HINT
+    """A single layer over the per-stage budget (no partition exists): exit 1 (does not fit; 2 is a bad argument) with the layer's bytes, and a HINT
     naming only changes whose plan fits. Oracle: `roundpipe plan` with each named change exits 0."""
     import re
 
     argv = _tiny_plan(tmp_path, "--device-memory-gib", "0.03")
-    assert main(argv) == 2
+    assert main(argv) == 1
     err = capsys.readouterr().err
     assert "alone needs 16.6 MiB" in err and "HINT: each of these fits by the same memory model:" in err
     changes = re.findall(r"`(--lora|--device-memory-gib [0-9.]+)`", err.split("HINT")[1])

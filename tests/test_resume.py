@@ -111,3 +111,32 @@ def test_sigterm_exit_status() -> None:
     assert _sigterm_exit(exc) == 143
     exc.code = 7
     assert _sigterm_exit(exc) == 7
+
+
+def test_a_ckpt_path_that_is_no_checkpoint_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    """`check_ckpt_file` runs beside the config's type check, before the model loads and the first
+    validation (a new user waited for both before `FileNotFoundError` / `UnpicklingError: Memo value not
+    found`). Oracle: a file `torch.save` wrote passes, as do the values Lightning or `last` resolve."""
+    import torch
+
+    from lightning_roundpipe.train import check_ckpt_file
+
+    with pytest.raises(FileNotFoundError, match=r"`ckpt_path`: no such file.*HINT"):
+        check_ckpt_file(str(tmp_path / "missing.ckpt"))
+    (tmp_path / "notes.ckpt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match=r"is not a checkpoint \(not a torch.save archive\).*HINT"):
+        check_ckpt_file(str(tmp_path / "notes.ckpt"))
+    with pytest.raises(ValueError, match=r"is not a checkpoint \(a folder\)"):
+        check_ckpt_file(str(tmp_path))
+    torch.save({"global_step": 2}, tmp_path / "interrupted-step=2.ckpt")
+    for value in (str(tmp_path / "interrupted-step=2.ckpt"), None, "last", "best", "hpc"):
+        check_ckpt_file(value)
+
+
+def test_the_wall_time_line_counts_the_steps_this_run_trained() -> None:
+    """A resumed fit trained `global_step - resumed step` steps (a new user's resumed run said `5 steps` for 3)."""
+    from lightning_roundpipe.train import _steps_run
+
+    assert _steps_run({}, 40) == "40 steps"
+    assert _steps_run({"step": 0}, 40) == "40 steps"
+    assert _steps_run({"step": 2}, 5) == "3 steps (from step 2 to 5)"

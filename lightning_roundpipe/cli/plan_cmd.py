@@ -205,6 +205,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 # ---------------------------------------------------------------------- building the report
+class PlanDoesNotFit(ValueError):
+    """No partition exists: a single layer alone is over the per-stage memory budget (`roundpipe plan` exits 1,
+    as for a plan whose peak exceeds the device, not 2 as for a bad argument)."""
+
+
 def make_report(args: argparse.Namespace) -> PlanReport:
     """Compute the plan and its predictions from parsed `roundpipe plan` arguments (a count of equal
     devices; a device list is :func:`~lightning_roundpipe.cli.mixed_plan.make_mixed_report`'s).
@@ -229,8 +234,8 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         candidates, budget = fitting_candidates(mp, D, M, budget, method, banks, args.dtype_bytes, hw.memory_bytes,
                                                 lower=args.stage_memory_gib is None)
     except ValueError as error:  # a single layer over the per-stage budget: name the changes that fit
-        raise ValueError(str(error).split(" HINT:")[0] + " "
-                         + remedies_hint(fitting_remedies(given, **remedy_args, current=None))) from None
+        raise PlanDoesNotFit(str(error).split(" HINT:")[0] + " "
+                             + remedies_hint(fitting_remedies(given, **remedy_args, current=None))) from None
     optimizer_bytes = optimizer_step_bytes(model_param_counts(mp)[1])
     choices = choose_modes(candidates, mp, hw, D, M, optimizer_bytes, accumulate)
     chosen = choices.get(optimizer)
@@ -437,6 +442,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
         args.devices = devices
         report = make_report(args)
+    except PlanDoesNotFit as e:
+        print(f"roundpipe plan: error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError) as e:
         print(f"roundpipe plan: error: {e}", file=sys.stderr)
         return 2

@@ -120,6 +120,7 @@ class ProgressLines(ProgressBar):
         self._enabled = True
         self._started: dict[str, float] = {}
         self._totals: dict[str, int | float] = {}
+        self._first: dict[str, int] = {}  # batches already done when the timing started (a resumed epoch)
 
     @property
     def refresh_rate(self) -> int:
@@ -144,16 +145,18 @@ class ProgressLines(ProgressBar):
     def enable(self) -> None:
         self._enabled = True
 
-    def _start(self, kind: str, total: int | float) -> None:
+    def _start(self, kind: str, total: int | float, first: int = 0) -> None:
         self._started[kind] = time.perf_counter()
         self._totals[kind] = total
+        self._first[kind] = first
 
     def _line(self, kind: str, description: str, done: int, metrics: dict[str, Any] | None = None) -> None:
         total = self._totals.get(kind, math.inf)
         last = math.isfinite(total) and done >= total
         if not self._enabled or (done % self.refresh_rate and not last):
             return
-        per_batch_s = (time.perf_counter() - self._started.get(kind, time.perf_counter())) / max(done, 1)
+        now = time.perf_counter()
+        per_batch_s = (now - self._started.get(kind, now)) / max(done - self._first.get(kind, 0), 1)
         if math.isfinite(total) and total > 0:
             left_s = per_batch_s * max(total - done, 0)
             left = f"{left_s / 60:.1f} min left" if left_s >= 60 else f"{left_s:.0f} s left"
@@ -167,6 +170,20 @@ class ProgressLines(ProgressBar):
     @override
     def on_train_epoch_start(self, trainer: Any, *_: Any) -> None:
         self._start("train", self.total_train_batches)
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if "train" not in self._started:  # an epoch resumed mid-way (`ckpt_path`): Lightning skips its epoch start
+            # `total_train_batches` caps the epoch at the steps left (max_steps - global_step), counted from
+            # here; the lines count the epoch's batches from its start, so the cap moves by `batch_idx`
+            total = trainer.num_training_batches
+            if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
+                total = min(total, batch_idx + trainer.max_steps - trainer.global_step)
+            self._start("train", total, first=batch_idx)
+
+    @override
+    def on_train_epoch_end(self, trainer: Any, *_: Any) -> None:
+        self._started.pop("train", None)
 
     @override
     def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
