@@ -105,3 +105,47 @@ def test_storages_freed_while_deferring_stay_charged_until_their_flush():
         del gone
     ledger.flush(prefix="run")  # the end of the run: everything it deferred
     assert ledger.in_use_bytes == 0
+
+
+def test_a_storage_freed_by_the_garbage_collector_inside_the_ledger_does_not_deadlock():
+    """A storage freed by a garbage collection that runs while the ledger's lock is held (any allocation
+    there may start one; a clean-clone run hung so, all compute workers waiting in the finalizer) is
+    released, not waited for: the call returns and the bytes come back."""
+    import gc
+    import threading
+
+    ledger = DeviceMemoryLedger(0, None)
+
+    class CollectingLock:
+        """The ledger's lock, with a garbage collection at its first acquisition (as an allocation made
+        while it is held may start one)."""
+
+        def __init__(self) -> None:
+            self.lock, self.collected = threading.Lock(), False
+
+        def __enter__(self):
+            self.lock.acquire()
+            if not self.collected:
+                self.collected = True
+                gc.collect()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.lock.release()
+
+    done = threading.Event()
+
+    def free_inside_the_lock() -> None:
+        cycle = [torch.empty(1024)]
+        cycle.append(cycle)  # only the cycle collector frees it
+        ledger.track(cycle[0])
+        del cycle
+        ledger._lock = CollectingLock()
+        ledger.flush()
+        done.set()
+
+    worker = threading.Thread(target=free_inside_the_lock, daemon=True)
+    worker.start()
+    # a hang guard, not a timing: the call takes microseconds; a deadlocked worker never sets `done`
+    assert done.wait(120), "the ledger deadlocked: a finalizer waited for the lock its own thread holds"
+    assert ledger.pop_peak() == 4096 and ledger.in_use_bytes == 0, ledger.in_use_bytes

@@ -24,7 +24,10 @@ never raises, so the peak the memory model predicts can be compared with the mea
 (:mod:`lightning_roundpipe.partition.memory`).
 
 A storage is counted once (views and in-place results share it) and released when it is freed
-(``weakref.finalize`` on the storage, which torch keeps alive exactly as long as its data). When a
+(``weakref.finalize`` on the storage, which torch keeps alive exactly as long as its data). The
+finalizer never takes the ledger's lock: a garbage collection may run it on a thread that holds that
+lock (any allocation can start one), so it only queues the release (``queue.SimpleQueue.put`` is
+reentrant), and every locked method applies the queued releases first. When a
 new storage would take the bytes in use above the budget, :class:`DeviceMemoryError` is raised,
 naming the device, the stage and op, the bytes asked, in use and the budget; the executor hands it
 to the main thread (the step raises it; nothing hangs) like a CUDA out-of-memory error, which it
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import threading
 import weakref
 from typing import Any
@@ -143,13 +147,21 @@ class DeviceMemoryLedger:
         self.unequal_budgets = False
         """Whether the devices' budgets differ (set by :func:`~lightning_roundpipe.runtime.backends.make_backends`):
         the error's HINT then names the weighted dispatch."""
-        self.in_use_bytes = 0
+        self._in_use_bytes = 0
         self.peak_bytes = 0
         self.step_peak_bytes = 0
         self._storages: dict[int, int] = {}
         self._deferred: dict[Any, int] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._released: queue.SimpleQueue = queue.SimpleQueue()  # (storage key, deferral token) from finalizers
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Bytes live now (the releases queued by finalizers applied)."""
+        with self._lock:
+            self._apply_releases()
+            return self._in_use_bytes
 
     # ------------------------------------------------------------------ context
     def set_where(self, where: str) -> None:
@@ -163,20 +175,23 @@ class DeviceMemoryLedger:
     def pop_step_peak(self) -> int:
         """:attr:`step_peak_bytes`, then restart it from the bytes in use."""
         with self._lock:
-            out, self.step_peak_bytes = self.step_peak_bytes, self.in_use_bytes
+            self._apply_releases()
+            out, self.step_peak_bytes = self.step_peak_bytes, self._in_use_bytes
         return out
 
     def pop_peak(self) -> int:
         """The peak since the last call, then restart it from the bytes in use."""
         with self._lock:
-            out, self.peak_bytes = self.peak_bytes, self.in_use_bytes
+            self._apply_releases()
+            out, self.peak_bytes = self.peak_bytes, self._in_use_bytes
         return out
 
     # ------------------------------------------------------------------ accounting
     def check(self, nbytes: int) -> None:
         """Raise :class:`DeviceMemoryError` if ``nbytes`` more would exceed the budget (nothing is counted)."""
         with self._lock:
-            in_use = self.in_use_bytes
+            self._apply_releases()
+            in_use = self._in_use_bytes
         if self.budget_bytes is not None and in_use + nbytes > self.budget_bytes:
             raise DeviceMemoryError(self.device_index, self.where, nbytes, in_use, self.budget_bytes,
                                     self.unequal_budgets)
@@ -192,18 +207,19 @@ class DeviceMemoryLedger:
         if not nbytes or tensor.device.type != "cpu":
             return
         with self._lock:
+            self._apply_releases()
             if key in self._storages:
                 return
-            in_use = self.in_use_bytes
+            in_use = self._in_use_bytes
             if self.budget_bytes is not None and in_use + nbytes > self.budget_bytes:
                 error = DeviceMemoryError(self.device_index, self.where, nbytes, in_use, self.budget_bytes,
                                           self.unequal_budgets)
             else:
                 error = None
                 self._storages[key] = nbytes
-                self.in_use_bytes += nbytes
-                self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
-                self.step_peak_bytes = max(self.step_peak_bytes, self.in_use_bytes)
+                self._in_use_bytes += nbytes
+                self.peak_bytes = max(self.peak_bytes, self._in_use_bytes)
+                self.step_peak_bytes = max(self.step_peak_bytes, self._in_use_bytes)
         if error is not None:
             raise error
         weakref.finalize(storage, self._release, key)
@@ -214,11 +230,21 @@ class DeviceMemoryLedger:
                 self.track(leaf)
 
     def _release(self, key: int) -> None:
-        token = getattr(self._local, "deferring", None)
-        with self._lock:
+        """The storage's finalizer: queue its release (applied under the lock by the next locked method).
+
+        It must not take the lock: a garbage collection can run it on a thread that already holds it."""
+        self._released.put((key, getattr(self._local, "deferring", None)))
+
+    def _apply_releases(self) -> None:
+        """Apply the queued releases (call with the lock held)."""
+        while True:
+            try:
+                key, token = self._released.get_nowait()
+            except queue.Empty:
+                return
             nbytes = self._storages.pop(key, 0)
             if token is None:
-                self.in_use_bytes -= nbytes
+                self._in_use_bytes -= nbytes
             else:
                 self._deferred[token] = self._deferred.get(token, 0) + nbytes
 
@@ -239,9 +265,10 @@ class DeviceMemoryLedger:
         """Release the bytes :meth:`deferring` held under ``token`` (with ``prefix``: under every token
         ``(prefix, ...)``)."""
         with self._lock:
+            self._apply_releases()
             keys = [token] if prefix is None else [k for k in self._deferred if isinstance(k, tuple) and k[:1] == (prefix,)]
             for key in keys:
-                self.in_use_bytes -= self._deferred.pop(key, 0)
+                self._in_use_bytes -= self._deferred.pop(key, 0)
 
     def counting(self) -> "_CountOutputs":
         """A dispatch mode (enter it on the compute thread) that tracks every op's outputs."""
