@@ -171,6 +171,42 @@ def test_guard_does_not_blame_a_layer_for_another_threads_draw(seed):
                 torch.empty(4).exponential_(generator=torch.default_generator)
 
 
+_STATE_READS = """
+import gc, sys, threading, torch
+from lightning_roundpipe.runtime.replay.rng_guard import generator_state
+read = torch.Generator.get_state if sys.argv[1] == "plain" else generator_state
+gc.set_threshold(5)  # a collection at nearly every allocation, each freeing a tensor held by a cycle
+
+def reads() -> None:
+    for _ in range(2000):
+        cycle = [torch.empty(8)]
+        cycle.append(cycle)
+        read(torch.default_generator)
+
+threads = [threading.Thread(target=reads) for _ in range(2)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print("done")
+"""
+
+
+def test_generator_state_reads_from_two_threads_never_deadlock():
+    """Two threads reading the global generator's state, as two compute workers' guards do, while
+    collections free tensors: ``Generator.get_state`` wraps the state under the generator's mutex and a
+    collection there releases the GIL, so the other thread can block on the mutex holding the GIL (a
+    clean-clone run hung so; ``plain`` below deadlocks at once). Through ``generator_state`` the reads
+    all finish. The subprocess's timeout is a hang guard, not a timing: the reads take well under a
+    second; a deadlocked process never prints."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _STATE_READS, "guarded"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr[-2000:]
+
+
 # ---------------------------------------------------------------------- the jitter itself
 def test_jitter_is_off_unless_asked_for_and_refuses_a_bad_seed(monkeypatch):
     monkeypatch.delenv(jitter.JITTER_ENV, raising=False)

@@ -69,8 +69,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_roundpipe.adapters.base import LayerSequence, module_uses_rng
-from lightning_roundpipe.runtime.replay.rng_guard import (CUDA_SWAP_LOCKS, cuda_swap_lock, global_draw_guard,
-                                                         global_draw_message)
+from lightning_roundpipe.runtime.replay.rng_guard import (CUDA_SWAP_LOCKS, cuda_swap_lock, generator_state,
+                                                         global_draw_guard, global_draw_message)
 
 _local = threading.local()
 # the math kernel warns once that `dropout_mask` is meant for tests; here it is the point
@@ -304,12 +304,12 @@ def _on_default_cuda_generator(mode: _PrivateRandomMode, device: torch.device, f
     index = private.device.index
     default = torch.cuda.default_generators[index]
     with cuda_swap_lock(index):  # several workers may share one GPU
-        saved = default.get_state()
-        default.set_state(private.get_state())
+        saved = generator_state(default)
+        default.set_state(generator_state(private))
         try:
             return func(*args, **kwargs)
         finally:
-            private.set_state(default.get_state())
+            private.set_state(generator_state(default))
             default.set_state(saved)
 
 

@@ -32,6 +32,7 @@ an overlapped run's layers run, and must not be blamed on them):
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from typing import Any
 
@@ -52,6 +53,37 @@ def cuda_swap_lock(index: int) -> threading.Lock:
     return lock
 
 
+_COLLECTOR_LOCK = threading.Lock()
+_COLLECTOR_HOLDS = [0, False]  # threads inside generator_state, whether the collector was on at the first
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Keep Python's cyclic garbage collector from starting in any thread meanwhile (counted across
+    threads; the collector is turned back on by the last thread out, and only if it was on)."""
+    with _COLLECTOR_LOCK:
+        if _COLLECTOR_HOLDS[0] == 0:
+            _COLLECTOR_HOLDS[1] = gc.isenabled()
+            gc.disable()
+        _COLLECTOR_HOLDS[0] += 1
+    try:
+        yield
+    finally:
+        with _COLLECTOR_LOCK:
+            _COLLECTOR_HOLDS[0] -= 1
+            if _COLLECTOR_HOLDS[0] == 0 and _COLLECTOR_HOLDS[1]:
+                gc.enable()
+
+
+def generator_state(generator: torch.Generator) -> torch.Tensor:
+    """``generator.get_state()`` (a ``uint8`` tensor: 5056 bytes for the CPU generator, 16 for a
+    CUDA one) with the garbage collector paused, so the read cannot deadlock with another thread's
+    (see the module docstring).
+    """
+    with collector_paused():
+        return generator.get_state()
+
+
 @contextlib.contextmanager
 def global_draw_guard(device: torch.device, seeded: bool, layer_index: int | None):
     """Run one layer call on ``device``; raise ``ValueError`` if it drew from the device's global
@@ -69,10 +101,10 @@ def global_draw_guard(device: torch.device, seeded: bool, layer_index: int | Non
         index = device.index if device.index is not None else torch.cuda.current_device()
         generator = torch.cuda.default_generators[index]
         with cuda_swap_lock(index):
-            before = generator.get_state()
+            before = generator_state(generator)
         yield
         with cuda_swap_lock(index):
-            after = generator.get_state()
+            after = generator_state(generator)
         if not torch.equal(before, after):
             raise ValueError(global_draw_message(f"cuda:{index}", None, seeded, layer_index))
         return
@@ -83,9 +115,9 @@ def global_draw_guard(device: torch.device, seeded: bool, layer_index: int | Non
         with _GlobalDrawGuard(seeded, layer_index):
             yield
         return
-    before = torch.default_generator.get_state()
+    before = generator_state(torch.default_generator)
     yield
-    if not torch.equal(before, torch.default_generator.get_state()):  # this layer, or another thread
+    if not torch.equal(before, generator_state(torch.default_generator)):  # this layer, or another thread
         _SUSPECT.add(layer_index)
 
 
@@ -148,7 +180,7 @@ def _is_default_cpu_generator(generator: torch.Generator) -> bool:
     """Whether ``generator`` is ``torch.default_generator`` (the dispatcher hands a new Python object
     for it to a dispatch mode: compared by device and state)."""
     return (generator.device.type == "cpu"
-            and torch.equal(generator.get_state(), torch.default_generator.get_state()))
+            and torch.equal(generator_state(generator), generator_state(torch.default_generator)))
 
 
 def _draws_from_global(check: tuple, args: tuple, kwargs: dict) -> bool:
