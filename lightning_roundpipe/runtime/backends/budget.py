@@ -37,7 +37,6 @@ subclasses (``torch.OutOfMemoryError``), so one ``except torch.OutOfMemoryError`
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import weakref
