@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -277,7 +278,7 @@ class AsyncOptimizer:
             self._refresh_on_thread(store, predict)
         elif predict:
             for key in store.snapshot_keys():
-                store.refresh_entry(key, self.correction.predicted(store.tensors[key].master))
+                store.refresh_entry(key, self._predicted(store.tensors[key].master))
         else:
             store.refresh(force=True)
         self._snapshot_lag = 0
@@ -301,8 +302,7 @@ class AsyncOptimizer:
         def refresh() -> None:
             try:
                 for key in keys:
-                    store.copy_to_bank(key, bank, self.correction.predicted(store.tensors[key].master) if predict
-                                       else None)
+                    store.copy_to_bank(key, bank, self._predicted(store.tensors[key].master) if predict else None)
                     events[key].set()
             finally:
                 release()  # a failed copy raises at the next wait; the uploads must not hang meanwhile
@@ -357,8 +357,17 @@ class AsyncOptimizer:
         """The step's gradient is complete (every update before it applied): correct it if its
         snapshot lacked an update, then the plugin's ``on_before_optimizer_step`` hooks and clipping."""
         if self.correction is not None:
+            start = time.perf_counter()
             self.correction.correct_gradients(stale=self._updates > snapshot_updates)
+            self.stepper.count_step_time(time.perf_counter() - start)  # part of the host's `OPT` op
         original_after(model, optimizer)
+
+    def _predicted(self, master: torch.Tensor) -> torch.Tensor | None:
+        """The correction's predicted weights for ``master``, the time counted in the `OPT` op."""
+        start = time.perf_counter()
+        value = self.correction.predicted(master)
+        self.stepper.count_step_time(time.perf_counter() - start)
+        return value
 
     def correction_state(self) -> dict | None:
         """The staleness correction's state for a checkpoint (after a wait), ``None`` without one."""
