@@ -302,7 +302,10 @@ class AsyncOptimizer:
         def refresh() -> None:
             try:
                 for key in keys:
-                    store.copy_to_bank(key, bank, self._predicted(store.tensors[key].master) if predict else None)
+                    if predict:
+                        store.copy_to_bank(key, bank, self._predicted(store.tensors[key].master))
+                    else:
+                        store.copy_to_bank(key, bank)
                     events[key].set()
             finally:
                 release()  # a failed copy raises at the next wait; the uploads must not hang meanwhile
