@@ -1,0 +1,167 @@
+"""Frozen weight formats for plans made without a run (issue 33 item 3): the bytes a frozen matmul weight
+takes on the host and on the link in each format, and what dequantising it costs on the device.
+
+The runtime holds the frozen matmul weights of a LoRA base (2-D ``nn.Linear`` weights with
+``requires_grad=False``: attention and dense MLP projections, an untied LM head; not norms, biases,
+embeddings, routers, or the fused 3-D expert weights of a Hugging Face MoE block) in one of these
+formats, uploads them as they are held (packed) and dequantises them on the device:
+
+- ``bf16``: the compute dtype (``compute_dtype_bytes`` per parameter; 2 under ``bf16-mixed``).
+- ``fp8`` (``frozen_weights="fp8"``, :mod:`lightning_roundpipe.runtime.host.fp8`): ``float8_e4m3fn``
+  codes, padded to 16 bytes, then one fp32 scale per output channel: ``pad16(rows x cols) + 4 x rows``.
+  The runtime dequantises a stage's fp8 weights when its layers first run and holds the copies (compute
+  dtype) until the stage's ``DROP``, with one fp32 transient of the largest at a time.
+- ``nf4`` (``frozen_weights="nf4"``, or a model loaded with ``BitsAndBytesConfig(load_in_4bit=True)``):
+  bitsandbytes' blockwise 4-bit layout (``bitsandbytes.functional.quantize_4bit``, blocksize 64), every
+  tensor of which travels with the weight. For ``n = rows x cols`` and ``blocks = ceil(n / 64)``:
+
+  - without double quantisation: packed codes ``ceil(n / 2)`` (uint8, two per byte), one fp32 absmax per
+    block ``4 x blocks``, the 16-entry fp32 code table (64): ``0.5625`` bytes per parameter for large ``n``;
+  - with double quantisation (``bnb_4bit_use_double_quant=True``, QLoRA's recipe; bitsandbytes'
+    ``compress_statistics``): the absmax quantised to uint8 (``blocks``), its fp32 offset (4), a
+    second-level fp32 absmax per 256 blocks (``4 x ceil(blocks / 256)``) and the 256-entry fp32 code of
+    the second level (1024): ``0.5 + 1/64 + 4/16384 = 0.5159`` bytes per parameter for large ``n``
+    (QLoRA, Dettmers et al. 2023, section 3: 4.127 bits per parameter).
+
+  ``fp4`` has the same layout. bitsandbytes' ``Linear4bit`` dequantises the whole weight (compute
+  dtype) inside every matmul that uses it, in the forward and again in the backward of each
+  microbatch, and frees it after the matmul: a device holds one such copy at a time.
+- ``int8`` (a model loaded with ``load_in_8bit=True``, bitsandbytes' ``Linear8bitLt``): int8 codes and
+  one fp32 scale per output row (``int8_vectorwise_quant``): ``rows x cols + 4 x rows``. Its forward
+  multiplies in int8; its backward dequantises the weight (compute dtype) for the input gradient.
+
+``tests/test_frozen_plan.py`` checks these byte counts against the tensors bitsandbytes 0.50.2 makes.
+Pure: no torch, no device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: ``--frozen-weights`` values a plan accepts, in the order the comparison prints them.
+FROZEN_FORMATS = ("bf16", "fp8", "nf4", "int8")
+#: the formats `roundpipe plan --lora --frozen-weights X` compares side by side (int8 is only for models
+#: loaded in 8 bits, so it is planned when asked for, not compared)
+COMPARED_FORMATS = ("bf16", "fp8", "nf4")
+#: bitsandbytes' 4-bit blocksize (``quantize_4bit``'s default, the one ``Linear4bit`` uses)
+NF4_BLOCKSIZE = 64
+#: blocks of first-level absmax per second-level block under double quantisation (bitsandbytes' ``quantize_4bit``)
+NF4_NESTED_BLOCKSIZE = 256
+#: bytes of the 16-entry fp32 code table of nf4/fp4 and of the 256-entry fp32 code of the second level
+NF4_CODE_BYTES, NESTED_CODE_BYTES = 16 * 4, 256 * 4
+_FP8_ALIGN = 16
+
+
+def _pad(nbytes: int, align: int) -> int:
+    return -(-nbytes // align) * align
+
+
+def packed_weight_bytes(fmt: str, rows: int, cols: int, *, compute_dtype_bytes: int = 2,
+                        double_quant: bool = True, blocksize: int = NF4_BLOCKSIZE) -> int:
+    """Bytes a frozen ``rows x cols`` matmul weight (``rows`` output channels) takes on the host and on the
+    link in ``fmt`` (the module docstring's formulas; ``nf4`` and ``fp4`` alike).
+
+    Raises:
+        ValueError: an unknown ``fmt`` or a non-positive size.
+    """
+    if rows < 1 or cols < 1:
+        raise ValueError(f"`rows` and `cols` must be >= 1, got {rows} x {cols}.")
+    numel = rows * cols
+    if fmt == "bf16":
+        return numel * compute_dtype_bytes
+    if fmt == "fp8":
+        return _pad(numel, _FP8_ALIGN) + 4 * rows
+    if fmt == "int8":
+        return numel + 4 * rows
+    if fmt in ("nf4", "fp4"):
+        blocks = -(-numel // blocksize)
+        codes = -(-numel // 2)
+        if not double_quant:
+            return codes + 4 * blocks + NF4_CODE_BYTES
+        nested = -(-blocks // NF4_NESTED_BLOCKSIZE)
+        return codes + blocks + 4 + 4 * nested + NESTED_CODE_BYTES + NF4_CODE_BYTES
+    raise ValueError(f"`fmt` must be one of {list(FROZEN_FORMATS) + ['fp4']}, got {fmt!r}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrozenFormat:
+    """How a plan holds the frozen matmul weights of a LoRA base (see the module docstring).
+
+    Attributes:
+        name: ``bf16`` (the compute dtype), ``fp8``, ``nf4`` or ``int8``.
+        double_quant: nf4 with double quantisation (QLoRA's recipe; ``frozen_weights="nf4"``).
+        experts: count the fused 3-D expert weights of MoE layers as converted too. The runtime does not
+            convert them (neither ``frozen_weights`` nor transformers' bitsandbytes loading touch a
+            parameter that is not an ``nn.Linear`` weight), so plans leave this ``False``; it exists to
+            say what converting them would give.
+    """
+
+    name: str = "bf16"
+    double_quant: bool = True
+    experts: bool = False
+
+    def __post_init__(self) -> None:
+        check_frozen_format(self.name)
+
+    @property
+    def dequantises(self) -> str:
+        """Where the device dequantises: ``""`` (bf16: nothing), ``"stage"`` (fp8: a stage's weights once,
+        held until its ``DROP``), ``"matmul"`` (bitsandbytes: one weight inside each matmul, nf4 in the forward
+        and the backward, int8 in the backward only)."""
+        return {"bf16": "", "fp8": "stage"}.get(self.name, "matmul")
+
+    def weight_bytes(self, rows: int, cols: int, compute_dtype_bytes: int) -> int:
+        """:func:`packed_weight_bytes` of one ``rows x cols`` weight in this format."""
+        return packed_weight_bytes(self.name, rows, cols, compute_dtype_bytes=compute_dtype_bytes,
+                                   double_quant=self.double_quant)
+
+    def dequant_passes(self, backward: bool) -> int:
+        """Dequantisations of a weight per microbatch in a forward (``backward=False``) or a backward: nf4
+        1 and 1; int8 0 and 1 (its forward multiplies in int8); bf16 and fp8 0 (fp8's happens once per
+        stage dispatch, not per microbatch)."""
+        if self.name == "nf4":
+            return 1
+        return int(backward) if self.name == "int8" else 0
+
+
+def check_frozen_format(value: object, flag: str = "--frozen-weights") -> str:
+    """``value`` if it names a frozen weight format (:data:`FROZEN_FORMATS`).
+
+    Raises:
+        ValueError: any other value, with the valid ones and a HINT (Lightning's style).
+    """
+    if isinstance(value, str) and value in FROZEN_FORMATS:
+        return value
+    near = value.strip().lower() if isinstance(value, str) else None
+    if near in ("none", "null", "bfloat16", "fp16", "float16", "16"):
+        near = "bf16"
+    hint = (f"did you mean `{flag} {near}`?" if near in FROZEN_FORMATS else
+            "`bf16` keeps the frozen base in the compute dtype, `fp8` holds it in fp8 with per-channel scales, `nf4`"
+            " in bitsandbytes' 4-bit NormalFloat (QLoRA), `int8` is a model loaded in 8 bits")
+    raise ValueError(f"`{flag}` must be one of {list(FROZEN_FORMATS)}, got {value!r}. HINT: {hint}.")
+
+
+def dequant_seconds(packed_bytes: int, numel: int, compute_dtype_bytes: int, memory_bytes_per_s: float) -> float:
+    """Seconds one dequantisation of a weight of ``numel`` parameters held in ``packed_bytes`` takes on a
+    device. The kernel is bound by device memory (bitsandbytes' ``kDequantizeBlockwise`` reads the packed
+    codes and absmax and writes the compute dtype, a table lookup and a multiply per element; fp8's is a
+    cast and a multiply), so ``(packed_bytes + numel x compute_dtype_bytes) / memory_bytes_per_s``, the
+    device's memory bandwidth (:attr:`~lightning_roundpipe.partition.costmodel.CostModel.device_memory_bytes_per_s`:
+    an RTX 4090's 1008 GB/s gives about 42 us for a 4096 x 4096 nf4 weight). ``benchmarks/nf4_dequant.py``
+    measures the rate of bitsandbytes' CPU backend (what a CPU virtual device runs)."""
+    return (packed_bytes + numel * compute_dtype_bytes) / memory_bytes_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrozenLayerBytes:
+    """What one layer's converted frozen weights add on the device beside their packed upload, bytes.
+
+    Attributes:
+        dequantised_bytes: copies held while the layer's stage computes (fp8: the compute-dtype copies the
+            runtime makes when the layer first runs, freed at the stage's ``DROP``).
+        transient_bytes: the largest copy held for one op (fp8: the fp32 transient of its largest weight's
+            dequantisation; nf4/int8: bitsandbytes' compute-dtype copy of its largest weight inside a matmul).
+    """
+
+    dequantised_bytes: int = 0
+    transient_bytes: int = 0
