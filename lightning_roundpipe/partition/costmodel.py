@@ -533,9 +533,26 @@ class ModelledProfiles:
     @property
     def converted_param_count(self) -> int:
         """Frozen parameters held in :attr:`frozen`'s format (0 for ``bf16``), elements."""
+        return self.converted_bytes()[0]
+
+    def converted_bytes(self) -> tuple[int, int]:
+        """``(parameters, host bytes)`` of the frozen weights held in :attr:`frozen`'s format (``(0, 0)`` for
+        ``bf16``); their bytes per parameter are what ``roundpipe/frozen_matmul_host_bytes_per_param(bytes)``
+        measures in a run."""
         if self.frozen.name == "bf16":
-            return 0
-        return sum(_converted_numel(c, self.frozen) for c in self.costs)
+            return 0, 0
+        numel = packed = 0
+        for cost in self.costs:
+            for count, rows, cols in _converted_shapes(cost, self.frozen):
+                numel += count * rows * cols
+                packed += count * self.frozen.weight_bytes(rows, cols, self.compute_dtype_bytes)
+        return numel, packed
+
+    @property
+    def frozen_expert_param_count(self) -> int:
+        """Frozen parameters of fused 3-D MoE expert weights (with LoRA), elements: held in the compute dtype
+        in every format unless :attr:`FrozenFormat.experts <lightning_roundpipe.partition.frozen.FrozenFormat.experts>`."""
+        return sum(count * rows * cols for c in self.costs for count, rows, cols in c.frozen_expert_shapes)
 
     def host_weight_bytes(self) -> tuple[int, int]:
         """``(frozen, trainable)`` host bytes of the model's weights as the runtime holds them: the frozen
@@ -627,10 +644,6 @@ def _converted_shapes(cost: LayerCost, fmt: FrozenFormat) -> list[tuple[int, int
     weights; the fused expert weights too with ``fmt.experts``, each as one weight)."""
     experts = [(1, count * rows, cols) for count, rows, cols in cost.frozen_expert_shapes] if fmt.experts else []
     return [*cost.frozen_matmul_shapes, *experts]
-
-
-def _converted_numel(cost: LayerCost, fmt: FrozenFormat) -> int:
-    return sum(count * rows * cols for count, rows, cols in _converted_shapes(cost, fmt))
 
 
 def _converted(cost: LayerCost, fmt: FrozenFormat, dtype_bytes: int, memory_bytes_per_s: float

@@ -3,7 +3,8 @@ each device's budget, and the check of every partition before the first step.
 
 :func:`predicted_peaks` fills :func:`~lightning_roundpipe.partition.memory.device_peaks` with what the
 runtime will allocate: per stage its packed upload (a stage weight slot), its fp32 accumulator, its fp8
-weights' dequantised copies (compute dtype) and fp32 transient, read from the
+weights' dequantised copies (compute dtype) and fp32 transient, the compute-dtype copy of its largest
+bitsandbytes weight (nf4, int8) a matmul dequantises, read from the
 :class:`~lightning_roundpipe.runtime.host.store.WeightStore`; the transfer slots of the program's own
 slot assignment (:func:`~lightning_roundpipe.schedule.buffers.device_slots`) sized to the stage
 boundaries; and, for a Hugging Face causal LM, each layer's activations from the cost model
@@ -83,16 +84,40 @@ def _autocast_copies(store: Any, layers: Sequence[torch.nn.Module], autocast_byt
     return total
 
 
+def bnb_dequant_bytes(layers: Sequence[torch.nn.Module], autocast_bytes: int | None = None) -> int:
+    """The largest compute-dtype copy a bitsandbytes matmul of ``layers`` dequantises and frees, bytes:
+    a ``Linear4bit`` (nf4/fp4: ``MatMul4Bit`` dequantises its whole weight in the forward and again in the
+    backward) or a ``Linear8bitLt`` (its backward dequantises the int8 weight for the input gradient),
+    ``rows x cols`` of the weight in the dtype the matmul computes in (``autocast_bytes``, else the
+    module's ``compute_dtype`` or its quantisation state's dtype; 2 when none is known); 0 without one.
+    Modules are recognised by their class's module (``bitsandbytes.*``), so bitsandbytes is never imported."""
+    largest = 0
+    for layer in layers:
+        for module in layer.modules():
+            weight = getattr(module, "weight", None)
+            if weight is None or not type(module).__module__.startswith("bitsandbytes"):
+                continue
+            state = getattr(weight, "quant_state", None)
+            shape = getattr(state, "shape", None) or (getattr(module, "out_features", 0), getattr(module, "in_features", 0))
+            numel = int(shape[0]) * int(shape[1]) if len(shape) == 2 else weight.numel()
+            dtype = getattr(module, "compute_dtype", None) or getattr(state, "dtype", None)
+            itemsize = autocast_bytes or (dtype.itemsize if isinstance(dtype, torch.dtype) else 2)
+            largest = max(largest, aligned(numel * itemsize))
+    return largest
+
+
 def stage_bytes(store: Any, stages: Sequence[Any], layers: Sequence[torch.nn.Module] | None = None,
                 autocast_bytes: int | None = None) -> list[StageBytes]:
     """Per stage (a :class:`~lightning_roundpipe.schedule.plan.StageSpec`), its pool and dequantisation bytes
     as the runtime allocates them (see the module docstring); with ``layers`` (the sequence's modules) and
-    ``autocast_bytes`` (the autocast dtype's size), the autocast casts of fp32 matmul weights."""
+    ``autocast_bytes`` (the autocast dtype's size), the autocast casts of fp32 matmul weights and the
+    copies bitsandbytes' matmuls dequantise (:func:`bnb_dequant_bytes`)."""
     out = []
     for spec in stages:
         layout = store.layout(spec.layers)
         casts = _autocast_copies(store, [layers[i] for i in spec.layers], autocast_bytes) if layers else 0
-        dequantised = transient = 0
+        dequantised = 0
+        transient = bnb_dequant_bytes([layers[i] for i in spec.layers], autocast_bytes) if layers else 0
         for key in layout.tensors:
             entry = store.tensors[key]
             if entry.block is not None:

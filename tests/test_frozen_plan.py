@@ -1,0 +1,228 @@
+"""Frozen weight formats in plans made without a run (issue 33 item 3): the packed bytes against the tensors
+bitsandbytes and the fp8 store make, the cost model, the memory model, the simulator and `roundpipe plan`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_roundpipe.cli import main, plan_cmd
+from lightning_roundpipe.partition.costmodel import LoRASpec, model_profiles
+from lightning_roundpipe.partition.fitting import modelled_peak
+from lightning_roundpipe.partition.frozen import (
+    FrozenFormat,
+    check_frozen_format,
+    dequant_seconds,
+    packed_weight_bytes,
+)
+from lightning_roundpipe.partition.memory import planner_stage_bytes
+from lightning_roundpipe.partition.presets import preset_config
+from lightning_roundpipe.partition.profile import HardwareModel
+
+# (rows, cols): a block-aligned weight, one whose numel is odd and not a multiple of 64, one with more
+# than 256 absmax blocks (several second-level blocks), a single row
+SHAPES = [(64, 64), (7, 13), (300, 257), (1, 1000)]
+HW = HardwareModel(flops_per_s=165e12, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9)
+
+
+def _device_bytes(packed: torch.Tensor, state) -> int:
+    """Bytes of every tensor bitsandbytes' 4-bit weight holds and a device needs (the packed codes and the
+    quantisation state; the state's shape and dtype are Python values)."""
+    tensors = [packed, state.absmax, state.code]
+    if state.nested:
+        tensors += [state.offset, state.state2.absmax, state.state2.code]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_4bit_bytes_equal_bitsandbytes_tensors(rows, cols, quant_type, double_quant):
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    weight = torch.randn(rows, cols, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(rows * cols))
+    packed, state = bnb_functional.quantize_4bit(weight, blocksize=64, compress_statistics=double_quant,
+                                                 quant_type=quant_type)
+    assert packed_weight_bytes(quant_type, rows, cols, double_quant=double_quant) == _device_bytes(packed, state)
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_int8_bytes_equal_bitsandbytes_tensors(rows, cols):
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    codes, scales, _ = bnb_functional.int8_vectorwise_quant(torch.randn(rows, cols, dtype=torch.float16))
+    assert packed_weight_bytes("int8", rows, cols) == codes.nbytes + scales.nbytes
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_fp8_bytes_equal_the_runtime_block(rows, cols):
+    from lightning_roundpipe.runtime.host import fp8
+
+    assert packed_weight_bytes("fp8", rows, cols) == fp8.block_layout((rows, cols), 0)[1]
+
+
+def test_large_weights_per_parameter():
+    """The asymptotes: nf4 with double quantisation 4.127 bits (QLoRA), without 4.5; fp8 and int8 1 byte."""
+    n = 8192
+    assert packed_weight_bytes("nf4", n, n) / n**2 == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256), rel=1e-4)
+    assert packed_weight_bytes("nf4", n, n, double_quant=False) / n**2 == pytest.approx(0.5625, rel=1e-4)
+    assert packed_weight_bytes("fp8", n, n) / n**2 == pytest.approx(1.0, rel=1e-3)
+    assert packed_weight_bytes("bf16", n, n) == 2 * n * n
+
+
+def test_bad_format_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"`--frozen-weights` must be one of \['bf16', 'fp8', 'nf4', 'int8'\].*HINT"):
+        check_frozen_format("q4")
+    with pytest.raises(ValueError, match="did you mean `--frozen-weights nf4`"):
+        check_frozen_format("NF4")
+
+
+@pytest.fixture(scope="module")
+def llama_profiles() -> dict[str, object]:
+    return {name: model_profiles(preset_config("llama3.1-8b"), HW, seq_len=512, microbatch_size=1, lora=LoRASpec(),
+                                 frozen_weights=name) for name in ("bf16", "fp8", "nf4", "int8")}
+
+
+def test_cost_model_counts_the_packed_base(llama_profiles):
+    """Per layer, the param bytes differ from bf16's by exactly the converted weights' packed bytes; nf4's
+    converted matmul weights take 0.516 host bytes per parameter, and the base 0.3x of bf16's host memory."""
+    bf16 = llama_profiles["bf16"]
+    matmul = sum(n * r * c for cost in bf16.costs for n, r, c in cost.frozen_matmul_shapes)
+    for name in ("fp8", "nf4", "int8"):
+        mp = llama_profiles[name]
+        numel, packed = mp.converted_bytes()
+        assert numel == matmul  # attention + MLP projections and the untied LM head
+        assert sum(p.param_bytes for p in mp.profiles) == sum(p.param_bytes for p in bf16.profiles) - 2 * numel + packed
+    nf4_numel, nf4_packed = llama_profiles["nf4"].converted_bytes()
+    assert 0.515 < nf4_packed / nf4_numel < 0.517
+    frozen_bf16, trainable = bf16.host_weight_bytes()
+    frozen_nf4, trainable_nf4 = llama_profiles["nf4"].host_weight_bytes()
+    assert trainable_nf4 == trainable and frozen_bf16 - frozen_nf4 == 2 * nf4_numel - nf4_packed
+
+
+def test_dequant_time_only_in_bitsandbytes_formats(llama_profiles):
+    """The dequantisation bitsandbytes makes (nf4: forward and backward of each microbatch; int8: backward)
+    is in the layer times at the device's memory bandwidth; bf16 and fp8 (the runtime dequantises fp8 once
+    per stage dispatch) add none."""
+    bf16 = llama_profiles["bf16"]
+    layer = bf16.costs[1]
+    cm = bf16.cost_model
+    once = sum(n * dequant_seconds(packed_weight_bytes("nf4", r, c), r * c, 2, cm.device_memory_bytes_per_s)
+               for n, r, c in layer.frozen_matmul_shapes)
+    nf4, fp8, int8 = (llama_profiles[k].profiles[1] for k in ("nf4", "fp8", "int8"))
+    assert nf4.forward_s - bf16.profiles[1].forward_s == pytest.approx(once, rel=1e-9)
+    assert nf4.backward_s - bf16.profiles[1].backward_s == pytest.approx(once, rel=1e-9)
+    assert (fp8.forward_s, fp8.backward_s) == (bf16.profiles[1].forward_s, bf16.profiles[1].backward_s)
+    assert int8.forward_s == bf16.profiles[1].forward_s and int8.backward_s > bf16.profiles[1].backward_s
+
+
+def test_simulated_compute_holds_the_dequantisations(llama_profiles):
+    """The simulator times the runtime's program: with nf4 every compute op of a microbatch holds its layers'
+    dequantisations (forward stage 1, recompute 1, backward 1, the fused tail 2), with bf16 and fp8 none."""
+    from lightning_roundpipe.schedule import build_roundpipe_plan, build_stages
+    from lightning_roundpipe.simulate.engine import simulate
+
+    num_layers = len(llama_profiles["bf16"].profiles)
+    stages = build_stages([range(0, 17), range(17, num_layers - 1)], [range(num_layers - 1, num_layers),
+                                                                      range(17, num_layers - 1), range(0, 17)],
+                          fused_tail=True)
+    plan = build_roundpipe_plan(stages, 2, 3)
+    compute = {name: sum(simulate(plan, llama_profiles[name].profiles, HW).compute_s) for name in ("bf16", "fp8", "nf4")}
+    nf4 = llama_profiles["nf4"]
+    per_pass = [(p.forward_s - b.forward_s) for p, b in zip(nf4.profiles, llama_profiles["bf16"].profiles)]
+    tail = num_layers - 1
+    expected = 3 * sum(3 * per_pass[i] for i in range(tail)) + 3 * 2 * per_pass[tail]
+    assert compute["fp8"] == pytest.approx(compute["bf16"], rel=1e-12)
+    assert compute["nf4"] - compute["bf16"] == pytest.approx(expected, rel=1e-6)
+    assert expected > 0
+
+
+def test_memory_model_counts_the_device_copies(llama_profiles):
+    """fp8: a stage holds its weights' compute-dtype copies and one fp32 transient; nf4: only the copy of its
+    largest weight a matmul makes (the LM head's, in the tail)."""
+    stages = [("forward", range(0, 3)), ("fused", range(32, 34))]
+    fp8 = planner_stage_bytes(llama_profiles["fp8"].profiles, stages, 2, llama_profiles["fp8"].frozen_layer_bytes)
+    nf4 = planner_stage_bytes(llama_profiles["nf4"].profiles, stages, 2, llama_profiles["nf4"].frozen_layer_bytes)
+    layer = sum(n * r * c for n, r, c in llama_profiles["bf16"].costs[1].frozen_matmul_shapes)
+    assert fp8[0].dequantised_bytes == 2 * 2 * layer  # layers 1 and 2 (layer 0 is the embedding)
+    assert fp8[0].dequant_transient_bytes == 4 * 14336 * 4096  # the MLP projections are the largest
+    assert nf4[0].dequantised_bytes == 0 and nf4[0].dequant_transient_bytes == 2 * 14336 * 4096
+    assert nf4[1].dequant_transient_bytes == 2 * 128256 * 4096  # the untied LM head
+
+
+PLAN = ["plan", "--preset", "qwen3-1.7b", "--devices", "2", "--device-memory-gib", "24", "--tflops", "165",
+        "--seq-len", "1024", "--microbatch-size", "1", "--microbatches", "3", "--lora", "--grid-rows", "2"]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    plan_cmd.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv[:])
+
+
+@pytest.fixture(scope="module")
+def link_bound_report() -> plan_cmd.PlanReport:
+    """A plan whose step is bound by the link (1 GB/s per device), with the formats side by side."""
+    return plan_cmd.make_report(_parse([*PLAN, "--h2d-gbps", "1", "--frozen-weights", "nf4"]))
+
+
+def test_plan_compares_the_formats_where_the_link_is_the_bound(link_bound_report):
+    rows = {row.name: row for row in link_bound_report.formats}
+    assert list(rows) == ["bf16", "fp8", "nf4"]
+    assert rows["nf4"].step_s == link_bound_report.step_s  # the report's own plan is its row
+    assert rows["bf16"].host_bytes > rows["fp8"].host_bytes > rows["nf4"].host_bytes
+    assert rows["bf16"].weight_h2d_bytes > rows["fp8"].weight_h2d_bytes > rows["nf4"].weight_h2d_bytes
+    assert rows["nf4"].tokens_per_s > rows["fp8"].tokens_per_s > rows["bf16"].tokens_per_s
+    assert rows["nf4"].max_seq_len >= rows["bf16"].max_seq_len
+    assert rows["bf16"].converted_bytes_per_param == 2.0
+    assert 0.515 < rows["nf4"].converted_bytes_per_param < 0.517
+    # the frozen base's host bytes: bf16's less the converted weights' savings
+    saved = rows["nf4"].converted_params * (2 - rows["nf4"].converted_bytes_per_param)
+    assert rows["bf16"].frozen_bytes - rows["nf4"].frozen_bytes == pytest.approx(saved, rel=1e-9)
+
+
+def test_plan_peak_counts_the_format(link_bound_report):
+    """The report's peak is the memory model's for nf4's profiles (packed slots, one dequantised copy)."""
+    r = link_bound_report
+    assert r.peak_device_memory_bytes == modelled_peak(r.modelled, r.stages, r.num_devices, r.num_microbatches, 1, 2)
+    bf16 = dataclasses.replace(r.modelled, frozen_layer_bytes=())
+    assert modelled_peak(bf16, r.stages, r.num_devices, r.num_microbatches, 1, 2) < r.peak_device_memory_bytes
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nf4", "int8"])
+def test_plan_prints_each_format(fmt, capsys):
+    assert main([*PLAN, "--frozen-weights", fmt]) == 0
+    out = capsys.readouterr().out
+    assert "host memory for weights and training state" in out and "weights uploaded per step" in out
+    assert "frozen weights side by side" in out
+    assert f"\n{fmt}*" in out
+    assert ("dequantisation on the devices" in out) == (fmt in ("nf4", "int8"))
+
+
+def test_plan_without_the_flag_prints_no_comparison(capsys):
+    assert main(PLAN) == 0
+    out = capsys.readouterr().out
+    assert "host memory for weights and training state" in out and "side by side (each re-planned" not in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([*PLAN, "--frozen-weights", "q4"], "`--frozen-weights` must be one of ['bf16', 'fp8', 'nf4', 'int8'], got 'q4'"),
+    ([a for a in PLAN if a != "--lora"] + ["--frozen-weights", "nf4"], "`--frozen-weights nf4` needs `--lora`"),
+])
+def test_bad_frozen_weights_exit_2_with_a_hint(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "HINT:" in err
+
+
+def test_moe_experts_are_named_as_not_converted(capsys):
+    """A MoE model's fused 3-D expert weights stay in the compute dtype (the runtime converts nn.Linear
+    weights only); the plan says so, and counts them so."""
+    mp = model_profiles(preset_config("qwen3-235b-a22b"), HW, seq_len=128, microbatch_size=1, lora=LoRASpec(),
+                        frozen_weights="nf4")
+    experts = mp.frozen_expert_param_count
+    assert experts > 0.9 * sum(c.param_count for c in mp.costs)
+    everything = model_profiles(preset_config("qwen3-235b-a22b"), HW, seq_len=128, microbatch_size=1,
+                                lora=LoRASpec(), frozen_weights=FrozenFormat(name="nf4", experts=True))
+    assert everything.converted_param_count == mp.converted_param_count + experts
