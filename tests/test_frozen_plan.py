@@ -226,3 +226,62 @@ def test_moe_experts_are_named_as_not_converted(capsys):
     everything = model_profiles(preset_config("qwen3-235b-a22b"), HW, seq_len=128, microbatch_size=1,
                                 lora=LoRASpec(), frozen_weights=FrozenFormat(name="nf4", experts=True))
     assert everything.converted_param_count == mp.converted_param_count + experts
+
+
+def _wide_config(path) -> str:
+    """A model whose decoder weights, not its activations or vocabulary, take most of a small device."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1 << 16, tie_word_embeddings=True).save_pretrained(path)
+    return str(path)
+
+
+def test_planned_max_seq_len_counts_the_format():
+    """Packed stage slots leave room for longer sequences; fp8's dequantised copies of the computing stage take
+    it back (two fp8 slots and one stage's bf16 copies weigh about two bf16 slots, plus the fp32 transient),
+    bitsandbytes' one weight at a time does not."""
+    from lightning_roundpipe.partition.seqlen import planned_max_seq_len
+
+    config = preset_config("llama3.1-8b")
+    stages = [("forward", range(0, 17)), ("forward", range(17, 33)), ("fused", range(33, 34)),
+              ("backward", range(17, 33)), ("backward", range(0, 17))]
+
+    def longest(fmt: str, frozen: bool = True) -> int:
+        return planned_max_seq_len(lambda s: model_profiles(config, HW, seq_len=s, microbatch_size=1, lora=LoRASpec(),
+                                                            frozen_weights=fmt),
+                                   stages, 2, 24 * 2**30, num_microbatches=3, frozen=frozen)
+
+    bf16, fp8, nf4 = longest("bf16"), longest("fp8"), longest("nf4")
+    assert nf4 > bf16 > fp8 > 0  # two slots of 16 decoder layers: 2 x 7.0 GiB in bf16
+    assert longest("fp8", frozen=False) > bf16  # without the stage's dequantised copies
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--frozen-weights", "nf4"], "`--frozen-weights nf4` needs `--lora`"),
+    (["--lora", "--frozen-weights", "int8"], "`--frozen-weights int8` is a model loaded in 8 bits"),
+    (["--lora", "--frozen-weights", "4bit"], "`--frozen-weights` must be one of"),
+])
+def test_max_seq_bad_frozen_weights_exit_2(argv, message, capsys):
+    assert main(["max-seq", "--tiny", "--device-memory-mib", "64", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "HINT:" in err
+
+
+@pytest.mark.slow  # two bisections of real steps: about 2 minutes on a loaded 2-core machine
+def test_max_seq_fp8_base_trains_longer_sequences_as_planned(tmp_path):
+    """LoRA on a model whose frozen decoder weights fill the device: the fp8 base (a quarter of the fp32
+    bytes in the slots) leaves room for longer sequences, measured on the ledger, and the planner, counting the fp8
+    slots and the stage's dequantised copies, agrees within 20 % in both formats."""
+    from lightning_roundpipe.cli.max_seq_cmd import make_report
+
+    path = _wide_config(tmp_path)
+    reports = {}
+    for fmt in ("bf16", "fp8"):
+        args = argparse.Namespace(tiny=False, model=path, devices=2, accelerator="cpu", device_memory_mib=24.0,
+                                  microbatches=None, microbatch_size=1, start=16, limit=8192, resolution=32,
+                                  lora=True, frozen_weights=fmt)
+        reports[fmt] = make_report(args)
+    for r in reports.values():
+        assert r.first_failing is not None and abs(r.planned - r.measured) <= 0.2 * r.measured, r
+    assert reports["fp8"].measured > 1.5 * reports["bf16"].measured
