@@ -101,54 +101,94 @@ def test_cost_model_counts_the_packed_base(llama_profiles):
     assert trainable_nf4 == trainable and frozen_bf16 - frozen_nf4 == 2 * nf4_numel - nf4_packed
 
 
-def test_dequant_time_only_in_bitsandbytes_formats(llama_profiles):
-    """The dequantisation bitsandbytes makes (nf4: forward and backward of each microbatch; int8: backward)
-    is in the layer times at the device's memory bandwidth; bf16 and fp8 (the runtime dequantises fp8 once
-    per stage dispatch) add none."""
-    bf16 = llama_profiles["bf16"]
-    layer = bf16.costs[1]
-    cm = bf16.cost_model
-    once = sum(n * dequant_seconds(packed_weight_bytes("nf4", r, c), r * c, 2, cm.device_memory_bytes_per_s)
-               for n, r, c in layer.frozen_matmul_shapes)
-    nf4, fp8, int8 = (llama_profiles[k].profiles[1] for k in ("nf4", "fp8", "int8"))
-    assert nf4.forward_s - bf16.profiles[1].forward_s == pytest.approx(once, rel=1e-9)
-    assert nf4.backward_s - bf16.profiles[1].backward_s == pytest.approx(once, rel=1e-9)
-    assert (fp8.forward_s, fp8.backward_s) == (bf16.profiles[1].forward_s, bf16.profiles[1].backward_s)
-    assert int8.forward_s == bf16.profiles[1].forward_s and int8.backward_s > bf16.profiles[1].backward_s
+def _once(fmt: str, cost, memory_bytes_per_s: float) -> float:
+    """Seconds of dequantising every converted weight of ``cost``'s layer once (the formula's oracle)."""
+    return sum(n * dequant_seconds(packed_weight_bytes(fmt, r, c), r * c, 2, memory_bytes_per_s)
+               for n, r, c in cost.frozen_matmul_shapes)
 
 
-def test_simulated_compute_holds_the_dequantisations(llama_profiles):
-    """The simulator times the runtime's program: with nf4 every compute op of a microbatch holds its layers'
-    dequantisations (forward stage 1, recompute 1, backward 1, the fused tail 2), with bf16 and fp8 none."""
+def test_dequant_time_where_the_runtime_dequantises(llama_profiles):
+    """fp8 and ``frozen_weights="nf4"``: once per residency (``bind_s``); a model loaded in 4 bits: in every
+    forward and backward of a microbatch (bitsandbytes' Linear4bit), in 8 bits in the backward; bf16: never."""
+    bf16 = llama_profiles["bf16"].profiles[1]
+    cost = llama_profiles["bf16"].costs[1]
+    bandwidth = llama_profiles["bf16"].cost_model.device_memory_bytes_per_s
+    for fmt in ("fp8", "nf4"):
+        layer = llama_profiles[fmt].profiles[1]
+        assert layer.bind_s == pytest.approx(_once(fmt, cost, bandwidth), rel=1e-9) and layer.bind_s > 0
+        assert (layer.forward_s, layer.backward_s) == (bf16.forward_s, bf16.backward_s)
+    loaded = model_profiles(preset_config("llama3.1-8b"), HW, seq_len=512, microbatch_size=1, lora=LoRASpec(),
+                            frozen_weights=FrozenFormat(name="nf4", loaded=True)).profiles[1]
+    once = _once("nf4", cost, bandwidth)
+    assert loaded.bind_s == 0
+    assert loaded.forward_s - bf16.forward_s == pytest.approx(once, rel=1e-9)
+    assert loaded.backward_s - bf16.backward_s == pytest.approx(once, rel=1e-9)
+    int8 = llama_profiles["int8"].profiles[1]
+    assert int8.forward_s == bf16.forward_s and int8.backward_s - bf16.backward_s == pytest.approx(
+        _once("int8", cost, bandwidth), rel=1e-9)
+    assert bf16.bind_s == 0
+
+
+def _two_device_plan(num_layers: int, microbatches: int):
     from lightning_roundpipe.schedule import build_roundpipe_plan, build_stages
-    from lightning_roundpipe.simulate.engine import simulate
 
-    num_layers = len(llama_profiles["bf16"].profiles)
     stages = build_stages([range(0, 17), range(17, num_layers - 1)], [range(num_layers - 1, num_layers),
                                                                       range(17, num_layers - 1), range(0, 17)],
                           fused_tail=True)
-    plan = build_roundpipe_plan(stages, 2, 3)
-    compute = {name: sum(simulate(plan, llama_profiles[name].profiles, HW).compute_s) for name in ("bf16", "fp8", "nf4")}
-    nf4 = llama_profiles["nf4"]
-    per_pass = [(p.forward_s - b.forward_s) for p, b in zip(nf4.profiles, llama_profiles["bf16"].profiles)]
+    return build_roundpipe_plan(stages, 2, microbatches)
+
+
+def test_simulated_compute_holds_the_dequantisations(llama_profiles):
+    """The simulator times what the runtime does: fp8 and ``frozen_weights="nf4"`` dequantise a stage's
+    weights once per residency (every stage once in a one-round step: a layer in a forward and a backward
+    stage twice, the tail once), a loaded Linear4bit in every compute op of every microbatch (forward stage
+    1 pass, recompute 1, backward 1, the fused tail 2); bf16 never."""
+    from lightning_roundpipe.simulate.engine import simulate
+
+    num_layers = len(llama_profiles["bf16"].profiles)
+    plan = _two_device_plan(num_layers, 3)
+    loaded = model_profiles(preset_config("llama3.1-8b"), HW, seq_len=512, microbatch_size=1, lora=LoRASpec(),
+                            frozen_weights=FrozenFormat(name="nf4", loaded=True))
+    profiles = {**{name: llama_profiles[name].profiles for name in ("bf16", "fp8", "nf4")}, "loaded": loaded.profiles}
+    compute = {name: sum(simulate(plan, p, HW).compute_s) for name, p in profiles.items()}
     tail = num_layers - 1
-    expected = 3 * sum(3 * per_pass[i] for i in range(tail)) + 3 * 2 * per_pass[tail]
-    assert compute["fp8"] == pytest.approx(compute["bf16"], rel=1e-12)
-    assert compute["nf4"] - compute["bf16"] == pytest.approx(expected, rel=1e-6)
-    assert expected > 0
+    for name in ("fp8", "nf4"):
+        once = llama_profiles[name].dequant_s
+        assert compute[name] - compute["bf16"] == pytest.approx(2 * sum(once[:tail]) + once[tail], rel=1e-6)
+    once = loaded.dequant_s
+    assert compute["loaded"] - compute["bf16"] == pytest.approx(3 * (3 * sum(once[:tail]) + 2 * once[tail]), rel=1e-6)
+    assert all(compute[name] > compute["bf16"] for name in ("fp8", "nf4", "loaded"))
+
+
+def test_binds_once_per_residency_also_over_rounds(llama_profiles):
+    """With rounds of microbatches a stage has a residency per round: its weights are dequantised per round."""
+    from lightning_roundpipe.schedule import build_roundpipe_plan
+    from lightning_roundpipe.simulate.engine import simulate
+
+    num_layers = len(llama_profiles["bf16"].profiles)
+    one = _two_device_plan(num_layers, 4)
+    rounds = build_roundpipe_plan(list(one.stages), 2, 4, microbatches_per_round=2)
+    nf4, bf16 = llama_profiles["nf4"].profiles, llama_profiles["bf16"].profiles
+    extra = {name: sum(simulate(plan, nf4, HW).compute_s) - sum(simulate(plan, bf16, HW).compute_s)
+             for name, plan in (("one", one), ("rounds", rounds))}
+    assert extra["rounds"] == pytest.approx(2 * extra["one"], rel=1e-6)
 
 
 def test_memory_model_counts_the_device_copies(llama_profiles):
-    """fp8: a stage holds its weights' compute-dtype copies and one fp32 transient; nf4: only the copy of its
-    largest weight a matmul makes (the LM head's, in the tail)."""
+    """fp8 and ``frozen_weights="nf4"``: a stage holds its weights' compute-dtype copies (fp8 through one fp32
+    transient); a loaded Linear4bit only the copy of its largest weight a matmul makes (the LM head's, in
+    the tail)."""
     stages = [("forward", range(0, 3)), ("fused", range(32, 34))]
-    fp8 = planner_stage_bytes(llama_profiles["fp8"].profiles, stages, 2, llama_profiles["fp8"].frozen_layer_bytes)
-    nf4 = planner_stage_bytes(llama_profiles["nf4"].profiles, stages, 2, llama_profiles["nf4"].frozen_layer_bytes)
+    loaded = model_profiles(preset_config("llama3.1-8b"), HW, seq_len=512, microbatch_size=1, lora=LoRASpec(),
+                            frozen_weights=FrozenFormat(name="nf4", loaded=True))
+    fp8, nf4, in_4bit = (planner_stage_bytes(mp.profiles, stages, 2, mp.frozen_layer_bytes)
+                         for mp in (llama_profiles["fp8"], llama_profiles["nf4"], loaded))
     layer = sum(n * r * c for n, r, c in llama_profiles["bf16"].costs[1].frozen_matmul_shapes)
-    assert fp8[0].dequantised_bytes == 2 * 2 * layer  # layers 1 and 2 (layer 0 is the embedding)
+    assert fp8[0].dequantised_bytes == nf4[0].dequantised_bytes == 2 * 2 * layer  # layers 1, 2 (0: the embedding)
     assert fp8[0].dequant_transient_bytes == 4 * 14336 * 4096  # the MLP projections are the largest
-    assert nf4[0].dequantised_bytes == 0 and nf4[0].dequant_transient_bytes == 2 * 14336 * 4096
-    assert nf4[1].dequant_transient_bytes == 2 * 128256 * 4096  # the untied LM head
+    assert nf4[0].dequant_transient_bytes == 0
+    assert in_4bit[0].dequantised_bytes == 0 and in_4bit[0].dequant_transient_bytes == 2 * 14336 * 4096
+    assert in_4bit[1].dequant_transient_bytes == 2 * 128256 * 4096  # the untied LM head
 
 
 PLAN = ["plan", "--preset", "qwen3-1.7b", "--devices", "2", "--device-memory-gib", "24", "--tflops", "165",
@@ -197,7 +237,7 @@ def test_plan_prints_each_format(fmt, capsys):
     assert "host memory for weights and training state" in out and "weights uploaded per step" in out
     assert "frozen weights side by side" in out
     assert f"\n{fmt}*" in out
-    assert ("dequantisation on the devices" in out) == (fmt in ("nf4", "int8"))
+    assert ("dequantisation on the devices" in out) == (fmt != "bf16")
 
 
 def test_plan_without_the_flag_prints_no_comparison(capsys):
@@ -238,9 +278,9 @@ def _wide_config(path) -> str:
 
 
 def test_planned_max_seq_len_counts_the_format():
-    """Packed stage slots leave room for longer sequences; fp8's dequantised copies of the computing stage take
-    it back (two fp8 slots and one stage's bf16 copies weigh about two bf16 slots, plus the fp32 transient),
-    bitsandbytes' one weight at a time does not."""
+    """Packed stage slots leave room for longer sequences; the dequantised copies of the computing stage take
+    some back (fp8: two fp8 slots and one stage's bf16 copies weigh about two bf16 slots, plus the fp32
+    transient; nf4: two slots of a quarter of bf16's and the copies)."""
     from lightning_roundpipe.partition.seqlen import planned_max_seq_len
 
     config = preset_config("llama3.1-8b")
@@ -255,6 +295,7 @@ def test_planned_max_seq_len_counts_the_format():
     bf16, fp8, nf4 = longest("bf16"), longest("fp8"), longest("nf4")
     assert nf4 > bf16 > fp8 > 0  # two slots of 16 decoder layers: 2 x 7.0 GiB in bf16
     assert longest("fp8", frozen=False) > bf16  # without the stage's dequantised copies
+    assert longest("nf4", frozen=False) > nf4
 
 
 @pytest.mark.parametrize("argv,message", [

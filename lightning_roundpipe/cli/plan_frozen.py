@@ -79,6 +79,27 @@ def compare_formats(args: argparse.Namespace, report: Any, make_report: Callable
     return tuple(rows)
 
 
+def dequant_step_s(r: Any) -> float:
+    """Seconds of dequantisation per device and step in report ``r``'s plan, as the simulator counts them:
+    each stage's converted weights once per residency (fp8, ``frozen_weights="nf4"``; one residency per
+    stage and round), or per microbatch in every matmul pass (a model loaded in 4 or 8 bits: a forward
+    stage's forward, a backward stage's recompute and backward, the fused tail's forward and backward)."""
+    mp = r.modelled
+    if not mp.dequant_s:
+        return 0.0
+    fmt = mp.frozen
+    rounds = 1 if r.microbatches_per_round is None else -(-r.num_microbatches // r.microbatches_per_round)
+    total = 0.0
+    for stage in r.stages:
+        once = sum(mp.dequant_s[i] for i in stage.layers)
+        if fmt.dequantises == "bind":
+            total += rounds * once
+        else:
+            passes = fmt.dequant_passes(False) + (fmt.dequant_passes(True) if stage.kind != "forward" else 0)
+            total += r.num_microbatches * passes * once
+    return total / r.num_devices
+
+
 def frozen_lines(r: Any) -> list[str]:
     """The report's host memory and weight-upload lines, and the formats side by side when compared."""
     mp, hw = r.modelled, r.hardware
@@ -91,8 +112,9 @@ def frozen_lines(r: Any) -> list[str]:
              " master, gradient, Adam moments, compute copy)",
              f"weights uploaded per step: {r.weight_h2d_bytes / GB:,.1f} GB, {per_device / GB:,.1f} GB per device ="
              f" {per_device / hw.h2d_bytes_per_s:.2f} s of its H2D link at {hw.h2d_bytes_per_s / GB:g} GB/s"
-             + (f"; dequantisation on the devices {sum(mp.dequant_s) * r.num_microbatches * 1e3 / r.num_devices:,.0f} ms"
-                " per device and step" if any(mp.dequant_s) else "")]
+             + (f"; dequantisation on the devices {dequant_step_s(r) * 1e3:,.1f} ms per device and step"
+                f" ({'once per stage residency' if mp.frozen.dequantises == 'bind' else 'in every matmul'})"
+                if any(mp.dequant_s) else "")]
     experts = mp.frozen_expert_param_count
     if experts:
         total = sum(c.param_count for c in mp.costs)

@@ -523,8 +523,10 @@ class ModelledProfiles:
     """Per layer, the device bytes of its converted weights' dequantisation (empty: none converted; pass
     to :func:`~lightning_roundpipe.partition.memory.planner_stage_bytes`)."""
     dequant_s: tuple[float, ...] = ()
-    """Per layer, seconds of one microbatch's dequantisations in a forward plus a backward (included in
-    the profiles' ``forward_s`` and ``backward_s``; empty: none)."""
+    """Per layer, seconds of dequantising its converted weights once (empty: none converted): in the
+    profiles' ``bind_s`` (once per residency: fp8, ``frozen_weights="nf4"``), or in their ``forward_s`` and
+    ``backward_s`` times :meth:`FrozenFormat.dequant_passes <lightning_roundpipe.partition.frozen.FrozenFormat.dequant_passes>`
+    (per matmul: a model loaded in 4 or 8 bits)."""
 
     @property
     def tokens_per_microbatch(self) -> int:
@@ -599,9 +601,10 @@ def model_profiles(
         cost_model: efficiencies; the fitted defaults when ``None``.
         frozen_weights: the format of the frozen matmul weights (``"bf16"``, ``"fp8"``, ``"nf4"``, ``"int8"``
             or a :class:`~lightning_roundpipe.partition.frozen.FrozenFormat`; ``None``: ``bf16``, the compute
-            dtype): each layer's ``param_bytes`` counts them packed, its ``forward_s`` / ``backward_s`` the
-            dequantisations bitsandbytes makes in them (:func:`~lightning_roundpipe.partition.frozen.dequant_seconds`
-            at ``cost_model.device_memory_bytes_per_s``), and :attr:`ModelledProfiles.frozen_layer_bytes` the
+            dtype): each layer's ``param_bytes`` counts them packed, its ``bind_s`` (fp8, ``frozen_weights="nf4"``:
+            once per residency) or its ``forward_s`` / ``backward_s`` (a model loaded in 4 or 8 bits: per matmul)
+            the dequantisations (:func:`~lightning_roundpipe.partition.frozen.dequant_seconds` at
+            ``cost_model.device_memory_bytes_per_s``), and :attr:`ModelledProfiles.frozen_layer_bytes` the
             device's dequantised copies. Without ``lora`` nothing is frozen and the format changes nothing.
 
     Raises:
@@ -622,11 +625,11 @@ def model_profiles(
             LayerProfile(forward_s=p.forward_s + fmt.dequant_passes(False) * seconds,
                          backward_s=p.backward_s + (fmt.dequant_passes(True) * seconds if c.backward_has_work else 0.0),
                          param_bytes=p.param_bytes - numel * compute_dtype_bytes + packed,
-                         activation_bytes=p.activation_bytes, trainable_param_bytes=p.trainable_param_bytes, name=p.name)
+                         activation_bytes=p.activation_bytes, trainable_param_bytes=p.trainable_param_bytes, name=p.name,
+                         bind_s=seconds if fmt.dequantises == "bind" else 0.0)
             for c, p, (numel, packed, seconds, _) in zip(costs, profiles, converted))
         layer_bytes = tuple(held for *_, held in converted)
-        dequant = tuple((fmt.dequant_passes(False) + fmt.dequant_passes(True) * c.backward_has_work) * seconds
-                        for c, (_, _, seconds, _) in zip(costs, converted))
+        dequant = tuple(seconds for _, _, seconds, _ in converted)
     shared: tuple[SharedWeight, ...] = ()
     if shape.tie_word_embeddings:
         tied = shape.vocab_size * shape.hidden_size
@@ -659,10 +662,10 @@ def _converted(cost: LayerCost, fmt: FrozenFormat, dtype_bytes: int, memory_byte
         packed += count * one
         seconds += count * dequant_seconds(one, rows * cols, dtype_bytes, memory_bytes_per_s)
         largest = max(largest, rows * cols)
-    if fmt.dequantises == "stage":  # fp8: the runtime's copies of the stage's weights, one fp32 transient
-        held = FrozenLayerBytes(dequantised_bytes=numel * dtype_bytes, transient_bytes=4 * largest)
-    else:  # bitsandbytes: one weight's copy inside a matmul
+    if fmt.dequantises == "matmul":  # bitsandbytes' modules: one weight's copy inside a matmul
         held = FrozenLayerBytes(transient_bytes=largest * dtype_bytes)
+    else:  # the runtime's copies of the stage's weights; fp8 through one fp32 transient, nf4 straight into the copy
+        held = FrozenLayerBytes(dequantised_bytes=numel * dtype_bytes, transient_bytes=4 * largest if fmt.name == "fp8" else 0)
     return numel, packed, seconds, held
 
 

@@ -9,8 +9,8 @@ formats, uploads them as they are held (packed) and dequantises them on the devi
 - ``bf16``: the compute dtype (``compute_dtype_bytes`` per parameter; 2 under ``bf16-mixed``).
 - ``fp8`` (``frozen_weights="fp8"``, :mod:`lightning_roundpipe.runtime.host.fp8`): ``float8_e4m3fn``
   codes, padded to 16 bytes, then one fp32 scale per output channel: ``pad16(rows x cols) + 4 x rows``.
-  The runtime dequantises a stage's fp8 weights when its layers first run and holds the copies (compute
-  dtype) until the stage's ``DROP``, with one fp32 transient of the largest at a time.
+  The runtime dequantises a stage's fp8 weights when its layers first bind them in a residency and holds
+  the copies (compute dtype) until the stage's last compute op, with one fp32 transient of the largest.
 - ``nf4`` (``frozen_weights="nf4"``, or a model loaded with ``BitsAndBytesConfig(load_in_4bit=True)``):
   bitsandbytes' blockwise 4-bit layout (``bitsandbytes.functional.quantize_4bit``, blocksize 64), every
   tensor of which travels with the weight. For ``n = rows x cols`` and ``blocks = ceil(n / 64)``:
@@ -23,9 +23,12 @@ formats, uploads them as they are held (packed) and dequantises them on the devi
     the second level (1024): ``0.5 + 1/64 + 4/16384 = 0.5159`` bytes per parameter for large ``n``
     (QLoRA, Dettmers et al. 2023, section 3: 4.127 bits per parameter).
 
-  ``fp4`` has the same layout. bitsandbytes' ``Linear4bit`` dequantises the whole weight (compute
-  dtype) inside every matmul that uses it, in the forward and again in the backward of each
-  microbatch, and frees it after the matmul: a device holds one such copy at a time.
+  ``fp4`` has the same layout. ``frozen_weights="nf4"`` (NF4, double quantisation) is dequantised as fp8
+  is, once per residency with ``dequantize_4bit`` into the compute dtype, the copies held while the stage
+  computes. A model *loaded* in 4 bits runs bitsandbytes' ``Linear4bit``, which dequantises the whole weight
+  (compute dtype) inside every matmul that uses it, in the forward and again in the backward of each
+  microbatch, and frees it after the matmul: a device holds one such copy at a time
+  (:attr:`FrozenFormat.loaded`).
 - ``int8`` (a model loaded with ``load_in_8bit=True``, bitsandbytes' ``Linear8bitLt``): int8 codes and
   one fp32 scale per output row (``int8_vectorwise_quant``): ``rows x cols + 4 x rows``. Its forward
   multiplies in int8; its backward dequantises the weight (compute dtype) for the input gradient.
@@ -89,7 +92,10 @@ class FrozenFormat:
 
     Attributes:
         name: ``bf16`` (the compute dtype), ``fp8``, ``nf4`` or ``int8``.
-        double_quant: nf4 with double quantisation (QLoRA's recipe; ``frozen_weights="nf4"``).
+        double_quant: nf4 with double quantisation (QLoRA's recipe; what ``frozen_weights="nf4"`` makes).
+        loaded: nf4 loaded so by transformers (``BitsAndBytesConfig(load_in_4bit=True)``: bitsandbytes'
+            ``Linear4bit`` computes, dequantising per matmul) rather than converted by ``frozen_weights="nf4"``
+            (dequantised once when a stage binds it, as fp8). ``int8`` is always loaded.
         experts: count the fused 3-D expert weights of MoE layers as converted too. The runtime does not
             convert them (neither ``frozen_weights`` nor transformers' bitsandbytes loading touch a
             parameter that is not an ``nn.Linear`` weight), so plans leave this ``False``; it exists to
@@ -98,6 +104,7 @@ class FrozenFormat:
 
     name: str = "bf16"
     double_quant: bool = True
+    loaded: bool = False
     experts: bool = False
 
     def __post_init__(self) -> None:
@@ -105,10 +112,14 @@ class FrozenFormat:
 
     @property
     def dequantises(self) -> str:
-        """Where the device dequantises: ``""`` (bf16: nothing), ``"stage"`` (fp8: a stage's weights once,
-        held until its ``DROP``), ``"matmul"`` (bitsandbytes: one weight inside each matmul, nf4 in the forward
-        and the backward, int8 in the backward only)."""
-        return {"bf16": "", "fp8": "stage"}.get(self.name, "matmul")
+        """When the device dequantises, as the runtime does: ``""`` (bf16: never); ``"bind"`` (fp8 and
+        ``frozen_weights="nf4"``: each weight once when a stage's residency first binds it, to the compute
+        dtype, the copies held until the stage's last compute op); ``"matmul"`` (bitsandbytes' modules of a
+        model loaded in 4 or 8 bits: one weight inside each matmul, freed after it; nf4 in the forward and
+        again in the backward of every microbatch, int8 in the backward)."""
+        if self.name == "bf16":
+            return ""
+        return "matmul" if self.name == "int8" or (self.name == "nf4" and self.loaded) else "bind"
 
     def weight_bytes(self, rows: int, cols: int, compute_dtype_bytes: int) -> int:
         """:func:`packed_weight_bytes` of one ``rows x cols`` weight in this format."""
@@ -116,12 +127,12 @@ class FrozenFormat:
                                    double_quant=self.double_quant)
 
     def dequant_passes(self, backward: bool) -> int:
-        """Dequantisations of a weight per microbatch in a forward (``backward=False``) or a backward: nf4
-        1 and 1; int8 0 and 1 (its forward multiplies in int8); bf16 and fp8 0 (fp8's happens once per
-        stage dispatch, not per microbatch)."""
-        if self.name == "nf4":
-            return 1
-        return int(backward) if self.name == "int8" else 0
+        """Dequantisations of a weight per microbatch in a forward (``backward=False``; a recompute is one) or
+        a backward, for :attr:`dequantises` ``"matmul"``: nf4 1 and 1, int8 0 and 1 (its forward multiplies in
+        int8); 0 for the other formats (theirs happen once per residency, :attr:`dequantises`)."""
+        if self.dequantises != "matmul":
+            return 0
+        return 1 if self.name == "nf4" else int(backward)
 
 
 def check_frozen_format(value: object, flag: str = "--frozen-weights") -> str:
@@ -143,7 +154,8 @@ def check_frozen_format(value: object, flag: str = "--frozen-weights") -> str:
 
 def dequant_seconds(packed_bytes: int, numel: int, compute_dtype_bytes: int, memory_bytes_per_s: float) -> float:
     """Seconds one dequantisation of a weight of ``numel`` parameters held in ``packed_bytes`` takes on a
-    device. The kernel is bound by device memory (bitsandbytes' ``kDequantizeBlockwise`` reads the packed
+    device (``frozen_weights="nf4"`` and fp8: once per residency; a loaded ``Linear4bit``: per matmul). The
+    kernel is bound by device memory (bitsandbytes' ``kDequantizeBlockwise`` reads the packed
     codes and absmax and writes the compute dtype, a table lookup and a multiply per element; fp8's is a
     cast and a multiply), so ``(packed_bytes + numel x compute_dtype_bytes) / memory_bytes_per_s``, the
     device's memory bandwidth (:attr:`~lightning_roundpipe.partition.costmodel.CostModel.device_memory_bytes_per_s`:
@@ -157,10 +169,13 @@ class FrozenLayerBytes:
     """What one layer's converted frozen weights add on the device beside their packed upload, bytes.
 
     Attributes:
-        dequantised_bytes: copies held while the layer's stage computes (fp8: the compute-dtype copies the
-            runtime makes when the layer first runs, freed at the stage's ``DROP``).
+        dequantised_bytes: copies held while the layer's stage computes (fp8, ``frozen_weights="nf4"``: the
+            compute-dtype copies the runtime makes when the layer first binds them, freed after the stage's
+            last compute op).
         transient_bytes: the largest copy held for one op (fp8: the fp32 transient of its largest weight's
-            dequantisation; nf4/int8: bitsandbytes' compute-dtype copy of its largest weight inside a matmul).
+            dequantisation; nf4 and int8 loaded so: bitsandbytes' compute-dtype copy of its largest weight
+            inside a matmul; ``frozen_weights="nf4"`` of a base in the compute dtype: none, bitsandbytes
+            dequantises into the copy it keeps).
     """
 
     dequantised_bytes: int = 0

@@ -3,8 +3,9 @@ each device's budget, and the check of every partition before the first step.
 
 :func:`predicted_peaks` fills :func:`~lightning_roundpipe.partition.memory.device_peaks` with what the
 runtime will allocate: per stage its packed upload (a stage weight slot), its fp32 accumulator, its fp8
-weights' dequantised copies (compute dtype) and fp32 transient, the compute-dtype copy of its largest
-bitsandbytes weight (nf4, int8) a matmul dequantises, read from the
+weights' dequantised copies (compute dtype) and fp32 transient, those of its ``frozen_weights="nf4"``
+weights, the working copy of its largest weight loaded in 4 or 8 bits that bitsandbytes' matmul
+dequantises (:func:`dequantised_bytes`), read from the
 :class:`~lightning_roundpipe.runtime.host.store.WeightStore`; the transfer slots of the program's own
 slot assignment (:func:`~lightning_roundpipe.schedule.buffers.device_slots`) sized to the stage
 boundaries; and, for a Hugging Face causal LM, each layer's activations from the cost model
@@ -84,46 +85,48 @@ def _autocast_copies(store: Any, layers: Sequence[torch.nn.Module], autocast_byt
     return total
 
 
-def bnb_dequant_bytes(layers: Sequence[torch.nn.Module], autocast_bytes: int | None = None) -> int:
-    """The largest compute-dtype copy a bitsandbytes matmul of ``layers`` dequantises and frees, bytes:
-    a ``Linear4bit`` (nf4/fp4: ``MatMul4Bit`` dequantises its whole weight in the forward and again in the
-    backward) or a ``Linear8bitLt`` (its backward dequantises the int8 weight for the input gradient),
-    ``rows x cols`` of the weight in the dtype the matmul computes in (``autocast_bytes``, else the
-    module's ``compute_dtype`` or its quantisation state's dtype; 2 when none is known); 0 without one.
-    Modules are recognised by their class's module (``bitsandbytes.*``), so bitsandbytes is never imported."""
-    largest = 0
-    for layer in layers:
-        for module in layer.modules():
-            weight = getattr(module, "weight", None)
-            if weight is None or not type(module).__module__.startswith("bitsandbytes"):
-                continue
-            state = getattr(weight, "quant_state", None)
-            shape = getattr(state, "shape", None) or (getattr(module, "out_features", 0), getattr(module, "in_features", 0))
-            numel = int(shape[0]) * int(shape[1]) if len(shape) == 2 else weight.numel()
-            dtype = getattr(module, "compute_dtype", None) or getattr(state, "dtype", None)
-            itemsize = autocast_bytes or (dtype.itemsize if isinstance(dtype, torch.dtype) else 2)
-            largest = max(largest, aligned(numel * itemsize))
-    return largest
+def dequantised_bytes(entry: Any) -> tuple[int, int]:
+    """``(held, transient)`` device bytes of one store entry's dequantisation (``(0, 0)`` for a weight uploaded
+    as it computes):
+
+    - fp8 (``entry.block`` without ``entry.packed``): its compute-dtype copy, held from the bind to the stage's
+      last compute op, through an fp32 transient;
+    - ``frozen_weights="nf4"`` (``entry.packed.converted``): its copy in ``entry.dequant_dtype``, held as fp8's;
+      bitsandbytes' ``dequantize_4bit`` writes the original dtype (``packed.meta["dtype"]``), so a transient of
+      that size when the two differ;
+    - a weight loaded in 4 or 8 bits (``entry.packed``, not converted): nothing held; bitsandbytes' matmul
+      dequantises it into ``entry.dequant_dtype`` (its working dtype) and frees it after the op (the transient).
+    """
+    packed = getattr(entry, "packed", None)
+    if packed is not None:
+        numel = int(packed.shape[0]) * int(packed.shape[1])
+        working = aligned(numel * entry.dequant_dtype.itemsize)
+        if not packed.converted:
+            return 0, working
+        original = packed.meta.get("dtype")
+        wider = isinstance(original, torch.dtype) and original != entry.dequant_dtype
+        return working, aligned(numel * original.itemsize) if wider else 0
+    if entry.block is not None:
+        numel = entry.master.numel()
+        return aligned(numel * entry.dequant_dtype.itemsize), aligned(numel * 4)
+    return 0, 0
 
 
 def stage_bytes(store: Any, stages: Sequence[Any], layers: Sequence[torch.nn.Module] | None = None,
                 autocast_bytes: int | None = None) -> list[StageBytes]:
     """Per stage (a :class:`~lightning_roundpipe.schedule.plan.StageSpec`), its pool and dequantisation bytes
     as the runtime allocates them (see the module docstring); with ``layers`` (the sequence's modules) and
-    ``autocast_bytes`` (the autocast dtype's size), the autocast casts of fp32 matmul weights and the
-    copies bitsandbytes' matmuls dequantise (:func:`bnb_dequant_bytes`)."""
+    ``autocast_bytes`` (the autocast dtype's size), the autocast casts of fp32 matmul weights; the
+    dequantised copies of its packed frozen weights (:func:`dequantised_bytes`)."""
     out = []
     for spec in stages:
         layout = store.layout(spec.layers)
         casts = _autocast_copies(store, [layers[i] for i in spec.layers], autocast_bytes) if layers else 0
-        dequantised = 0
-        transient = bnb_dequant_bytes([layers[i] for i in spec.layers], autocast_bytes) if layers else 0
+        dequantised = transient = 0
         for key in layout.tensors:
-            entry = store.tensors[key]
-            if entry.block is not None:
-                numel = entry.master.numel()
-                dequantised += aligned(numel * entry.dequant_dtype.itemsize)
-                transient = max(transient, aligned(numel * 4))
+            held, passing = dequantised_bytes(store.tensors[key])
+            dequantised += held
+            transient = max(transient, passing)
         accumulate = store.accumulator_numel(spec.layers) * 4 if spec.kind == "backward" else 0
         held = sum(store.tensors[k].master.numel() * store.tensors[k].dtype.itemsize for k in layout.tensors
                    if store.tensors[k].is_param and store.tensors[k].master.requires_grad
