@@ -201,9 +201,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--frozen-weights", default=None, metavar="{bf16,fp8,nf4,int8}",
                    help="with --lora, how the frozen base's matmul weights are held on the host and uploaded: bf16 (the"
                         " compute dtype; default), fp8 (RoundPipeStrategy(frozen_weights='fp8')), nf4 (frozen_weights="
-                        "'nf4', or a model loaded with BitsAndBytesConfig(load_in_4bit=True)), int8 (a model loaded in 8"
-                        " bits); given, the plan also prints bf16, fp8 and nf4 side by side (host memory, uploads,"
-                        " tokens/s), each re-planned")
+                        "'nf4'; a model loaded with BitsAndBytesConfig(load_in_4bit=True) holds the same bytes and"
+                        " dequantises per matmul), int8 (a model loaded in 8 bits); given, the plan also prints bf16,"
+                        " fp8 and nf4 side by side (host memory, uploads, tokens/s), each re-planned")
     p.add_argument("--method", choices=METHOD_CHOICES, default="auto",
                    help="partition: `auto` (default), the candidate the simulator times fastest in the run's"
                         " optimizer mode; or one partitioner method's partition")
