@@ -22,7 +22,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
-from lightning_roundpipe.partition.frozen import FrozenFormat, FrozenLayerBytes, check_frozen_format, dequant_seconds
+from lightning_roundpipe.partition.frozen import (
+    FrozenFormat,
+    FrozenLayerBytes,
+    apply_format,
+    check_frozen_format,
+    converted_bytes,
+)
 from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile, SharedWeight
 
 LayerKind = Literal["prefix", "decoder", "tail"]
@@ -541,14 +547,7 @@ class ModelledProfiles:
         """``(parameters, host bytes)`` of the frozen weights held in :attr:`frozen`'s format (``(0, 0)`` for
         ``bf16``); their bytes per parameter are what ``roundpipe/frozen_matmul_host_bytes_per_param(bytes)``
         measures in a run."""
-        if self.frozen.name == "bf16":
-            return 0, 0
-        numel = packed = 0
-        for cost in self.costs:
-            for count, rows, cols in _converted_shapes(cost, self.frozen):
-                numel += count * rows * cols
-                packed += count * self.frozen.weight_bytes(rows, cols, self.compute_dtype_bytes)
-        return numel, packed
+        return converted_bytes(self.costs, self.frozen, self.compute_dtype_bytes)
 
     @property
     def frozen_expert_param_count(self) -> int:
@@ -617,19 +616,7 @@ def model_profiles(
     costs = cm.layer_costs(shape, seq_len=seq_len, microbatch_size=microbatch_size,
                            compute_dtype_bytes=compute_dtype_bytes, lora=lora)
     profiles = tuple(cm.profile(c, hardware, compute_dtype_bytes) for c in costs)
-    layer_bytes: tuple[FrozenLayerBytes, ...] = ()
-    dequant: tuple[float, ...] = ()
-    if fmt.name != "bf16" and any(c.frozen_matmul_shapes for c in costs):
-        converted = [_converted(c, fmt, compute_dtype_bytes, cm.device_memory_bytes_per_s) for c in costs]
-        profiles = tuple(
-            LayerProfile(forward_s=p.forward_s + fmt.dequant_passes(False) * seconds,
-                         backward_s=p.backward_s + (fmt.dequant_passes(True) * seconds if c.backward_has_work else 0.0),
-                         param_bytes=p.param_bytes - numel * compute_dtype_bytes + packed,
-                         activation_bytes=p.activation_bytes, trainable_param_bytes=p.trainable_param_bytes, name=p.name,
-                         bind_s=seconds if fmt.dequantises == "bind" else 0.0)
-            for c, p, (numel, packed, seconds, _) in zip(costs, profiles, converted))
-        layer_bytes = tuple(held for *_, held in converted)
-        dequant = tuple(seconds for _, _, seconds, _ in converted)
+    profiles, layer_bytes, dequant = apply_format(costs, profiles, fmt, compute_dtype_bytes, cm.device_memory_bytes_per_s)
     shared: tuple[SharedWeight, ...] = ()
     if shape.tie_word_embeddings:
         tied = shape.vocab_size * shape.hidden_size
@@ -640,33 +627,6 @@ def model_profiles(
                             microbatch_size=microbatch_size, lora=lora, cost_model=cm, shared_weights=shared,
                             compute_dtype_bytes=compute_dtype_bytes, frozen=fmt, frozen_layer_bytes=layer_bytes,
                             dequant_s=dequant)
-
-
-def _converted_shapes(cost: LayerCost, fmt: FrozenFormat) -> list[tuple[int, int, int]]:
-    """``(count, rows, cols)`` of the weights of ``cost``'s layer held in ``fmt`` (its frozen matmul
-    weights; the fused expert weights too with ``fmt.experts``, each as one weight)."""
-    experts = [(1, count * rows, cols) for count, rows, cols in cost.frozen_expert_shapes] if fmt.experts else []
-    return [*cost.frozen_matmul_shapes, *experts]
-
-
-def _converted(cost: LayerCost, fmt: FrozenFormat, dtype_bytes: int, memory_bytes_per_s: float
-               ) -> tuple[int, int, float, FrozenLayerBytes]:
-    """For one layer: its converted parameters (elements), their packed bytes, the seconds of dequantising
-    all of them once, and what their dequantisation holds on the device (:class:`FrozenLayerBytes`)."""
-    numel = packed = 0
-    seconds = 0.0
-    largest = 0
-    for count, rows, cols in _converted_shapes(cost, fmt):
-        one = fmt.weight_bytes(rows, cols, dtype_bytes)
-        numel += count * rows * cols
-        packed += count * one
-        seconds += count * dequant_seconds(one, rows * cols, dtype_bytes, memory_bytes_per_s)
-        largest = max(largest, rows * cols)
-    if fmt.dequantises == "matmul":  # bitsandbytes' modules: one weight's copy inside a matmul
-        held = FrozenLayerBytes(transient_bytes=largest * dtype_bytes)
-    else:  # the runtime's copies of the stage's weights; fp8 through one fp32 transient, nf4 straight into the copy
-        held = FrozenLayerBytes(dequantised_bytes=numel * dtype_bytes, transient_bytes=4 * largest if fmt.name == "fp8" else 0)
-    return numel, packed, seconds, held
 
 
 def meta_param_counts(config: Any) -> list[int]:

@@ -40,6 +40,9 @@ Pure: no torch, no device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
+
+from lightning_roundpipe.partition.profile import LayerProfile
 
 #: ``--frozen-weights`` values a plan accepts, in the order the comparison prints them.
 FROZEN_FORMATS = ("bf16", "fp8", "nf4", "int8")
@@ -180,3 +183,61 @@ class FrozenLayerBytes:
 
     dequantised_bytes: int = 0
     transient_bytes: int = 0
+
+
+def converted_shapes(cost: Any, fmt: FrozenFormat) -> list[tuple[int, int, int]]:
+    """``(count, rows, cols)`` of the weights of a layer (a
+    :class:`~lightning_roundpipe.partition.costmodel.LayerCost`) held in ``fmt``: its frozen matmul weights,
+    and the fused expert weights too with ``fmt.experts`` (each fused tensor as one weight)."""
+    experts = [(1, count * rows, cols) for count, rows, cols in cost.frozen_expert_shapes] if fmt.experts else []
+    return [*cost.frozen_matmul_shapes, *experts]
+
+
+def converted_bytes(costs: Sequence[Any], fmt: FrozenFormat, compute_dtype_bytes: int) -> tuple[int, int]:
+    """``(parameters, host bytes)`` of the weights of ``costs`` held in ``fmt`` (``(0, 0)`` for ``bf16``)."""
+    if fmt.name == "bf16":
+        return 0, 0
+    shapes = [shape for cost in costs for shape in converted_shapes(cost, fmt)]
+    return (sum(count * rows * cols for count, rows, cols in shapes),
+            sum(count * fmt.weight_bytes(rows, cols, compute_dtype_bytes) for count, rows, cols in shapes))
+
+
+def _layer(cost: Any, fmt: FrozenFormat, dtype_bytes: int, memory_bytes_per_s: float
+           ) -> tuple[int, int, float, FrozenLayerBytes]:
+    """For one layer: its converted parameters (elements), their packed bytes, the seconds of dequantising
+    all of them once, and what their dequantisation holds on the device."""
+    numel = packed = largest = 0
+    seconds = 0.0
+    for count, rows, cols in converted_shapes(cost, fmt):
+        one = fmt.weight_bytes(rows, cols, dtype_bytes)
+        numel += count * rows * cols
+        packed += count * one
+        seconds += count * dequant_seconds(one, rows * cols, dtype_bytes, memory_bytes_per_s)
+        largest = max(largest, rows * cols)
+    if fmt.dequantises == "matmul":  # bitsandbytes' modules: one weight's copy inside a matmul
+        held = FrozenLayerBytes(transient_bytes=largest * dtype_bytes)
+    else:  # the runtime's copies of the stage's weights; fp8 through one fp32 transient, nf4 straight into the copy
+        held = FrozenLayerBytes(dequantised_bytes=numel * dtype_bytes,
+                                transient_bytes=4 * largest if fmt.name == "fp8" else 0)
+    return numel, packed, seconds, held
+
+
+def apply_format(costs: Sequence[Any], profiles: Sequence[LayerProfile], fmt: FrozenFormat, dtype_bytes: int,
+                 memory_bytes_per_s: float) -> tuple[tuple[LayerProfile, ...], tuple[FrozenLayerBytes, ...],
+                                                     tuple[float, ...]]:
+    """The profiles of ``costs``' layers with their converted weights in ``fmt``: ``param_bytes`` packed,
+    the dequantisation seconds in ``bind_s`` (:attr:`FrozenFormat.dequantises` ``"bind"``) or in
+    ``forward_s`` / ``backward_s`` (``"matmul"``); per layer the device bytes (:class:`FrozenLayerBytes`)
+    and the seconds of one dequantisation of all its converted weights. Unchanged profiles and empty
+    tuples when nothing is converted (bf16, or no frozen weights)."""
+    if fmt.name == "bf16" or not any(cost.frozen_matmul_shapes for cost in costs):
+        return tuple(profiles), (), ()
+    layers = [_layer(cost, fmt, dtype_bytes, memory_bytes_per_s) for cost in costs]
+    out = tuple(
+        LayerProfile(forward_s=p.forward_s + fmt.dequant_passes(False) * seconds,
+                     backward_s=p.backward_s + (fmt.dequant_passes(True) * seconds if cost.backward_has_work else 0.0),
+                     param_bytes=p.param_bytes - numel * dtype_bytes + packed, activation_bytes=p.activation_bytes,
+                     trainable_param_bytes=p.trainable_param_bytes, name=p.name,
+                     bind_s=seconds if fmt.dequantises == "bind" else 0.0)
+        for cost, p, (numel, packed, seconds, _) in zip(costs, profiles, layers))
+    return out, tuple(held for *_, held in layers), tuple(seconds for _, _, seconds, _ in layers)
