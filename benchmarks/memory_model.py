@@ -39,6 +39,28 @@ def _lora() -> torch.nn.Module:
                                                        lora_dropout=0.0, init_lora_weights="gaussian"))
 
 
+def _qlora(**quantization) -> Callable[[], torch.nn.Module]:
+    """A tiny Llama saved and loaded back as users load QLoRA bases (``BitsAndBytesConfig(**quantization)``,
+    fp32 compute), with the LoRA of :func:`_lora`, in train mode."""
+
+    def make() -> torch.nn.Module:
+        import tempfile
+
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        with tempfile.TemporaryDirectory() as folder:
+            tiny_hf("llama").save_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu",
+                                                         quantization_config=BitsAndBytesConfig(**quantization))
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0, init_lora_weights="gaussian"))
+        return model.train()
+
+    return make
+
+
 class SequentialMLPModule(L.LightningModule):
     """An ``nn.Sequential`` MLP (7 layers: 8 -> 128 -> 128 -> 128 -> 4, Tanh, ReLU, GELU between) with the
     loss outside the sequence (``cross_entropy(self.model(x), y)``): a forward program, then a backward
@@ -76,6 +98,11 @@ CONFIGS = [
     Config("async (2 banks)", lambda: tiny_hf("llama"), strategy=dict(optimizer="async")),
     Config("LoRA, bf16-mixed", _lora, trainer=dict(precision="bf16-mixed")),
     Config("LoRA, fp8 base, bf16-mixed", _lora, strategy=dict(frozen_weights="fp8"), trainer=dict(precision="bf16-mixed")),
+    Config("LoRA, nf4 base, bf16-mixed", _lora, strategy=dict(frozen_weights="nf4"), trainer=dict(precision="bf16-mixed")),
+    Config("QLoRA loaded in 4 bits (nf4, double quant)",
+           _qlora(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                  bnb_4bit_compute_dtype=torch.float32)),
+    Config("loaded in 8 bits", _qlora(load_in_8bit=True)),
     Config("mixed devices (weighted, speeds 1, 0.5)", lambda: tiny_hf("llama"),
            strategy=dict(cpu_device_speeds=(1.0, 0.5), dispatch="weighted")),
     Config("nn.Sequential MLP, sync", module=SequentialMLPModule),

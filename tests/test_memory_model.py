@@ -115,14 +115,21 @@ def test_fp8_dequantised_copies_that_do_not_fit_fail_before_the_first_step():
     assert str(budget) in message and f"dequantised {largest.parts['dequantised']}" in message and "HINT" in message
 
 
+#: configurations of bitsandbytes weights: they need the runtime that streams them (issue 33 items 1-2)
+_BNB_CONFIGS = ("LoRA, nf4 base, bf16-mixed", "QLoRA loaded in 4 bits (nf4, double quant)", "loaded in 8 bits")
+
+
 @pytest.mark.parametrize("name", ["sync, full FT, fp32", "sync, full FT, bf16-mixed", "accumulation (2 banks)",
                                   "async (2 banks)", "LoRA, bf16-mixed", "LoRA, fp8 base, bf16-mixed",
                                   "mixed devices (weighted, speeds 1, 0.5)", "nn.Sequential MLP, sync",
-                                  "nn.Sequential MLP, async", "nn.Sequential MLP, accumulation"])
+                                  "nn.Sequential MLP, async", "nn.Sequential MLP, accumulation", *_BNB_CONFIGS])
 def test_the_model_predicts_the_ledger_peak(name, monkeypatch):
     """The ledger (every device allocation while alive) is the oracle: the model's per-device peak is
     within 10 % of the measured one and never below it by more than 5 % (benchmarks/memory_model.py prints
     the table of docs/partitioner.md)."""
+    if name in _BNB_CONFIGS:
+        pytest.importorskip("bitsandbytes")
+        pytest.importorskip("lightning_roundpipe.runtime.host.bnb", reason="the runtime of issue 33 items 1-2")
     monkeypatch.setenv("LIGHTNING_ROUNDPIPE_MEASURE_DEVICE_MEMORY", "1")
     import memory_model
 

@@ -7,9 +7,12 @@ a step that would hold more raises ``DeviceMemoryError``), or on GPUs with their
 finds the longest sequence by bisection on real training steps
 (:func:`lightning_roundpipe.runtime.tuning.max_seq.measure_max_seq_len`). The planner's estimate is the
 cost model's peak device memory for the same stages
-(:func:`lightning_roundpipe.partition.seqlen.planned_max_seq_len`). Example::
+(:func:`lightning_roundpipe.partition.seqlen.planned_max_seq_len`). ``--lora`` trains PEFT adapters on a
+frozen base, which ``--frozen-weights fp8|nf4`` holds and uploads in that format (the run's
+``frozen_weights``; the planner counts the packed weights and their dequantised copies). Example::
 
     roundpipe max-seq --tiny --devices 2 --device-memory-mib 96
+    roundpipe max-seq --tiny --devices 2 --device-memory-mib 96 --lora --frozen-weights fp8
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--start", type=int, default=16, help="first sequence length tried (default 16)")
     p.add_argument("--limit", type=int, default=1 << 16, help="longest sequence length tried (default 65536)")
     p.add_argument("--resolution", type=int, default=8, help="bisection stops at this many tokens (default 8)")
+    p.add_argument("--lora", action="store_true",
+                   help="LoRA (PEFT, rank 16 on the attention and MLP projections): a frozen base, only adapters train")
+    p.add_argument("--frozen-weights", default=None, metavar="{bf16,fp8,nf4}",
+                   help="with --lora, the run's `frozen_weights`: bf16 (the model's dtype; default), fp8 or nf4; the"
+                        " planner counts the same format")
     p.set_defaults(func=run)
     return p
 
@@ -87,6 +95,26 @@ def _model(args: argparse.Namespace):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+def _frozen_format(args: argparse.Namespace) -> str:
+    """``--frozen-weights`` checked: ``bf16``, ``fp8`` or ``nf4``, with ``--lora`` for the latter two.
+
+    Raises:
+        ValueError: another value (with the valid ones and a HINT), or a format without ``--lora``.
+    """
+    from lightning_roundpipe.partition.frozen import check_frozen_format
+
+    value = getattr(args, "frozen_weights", None)
+    frozen = "bf16" if value is None else check_frozen_format(value)
+    if frozen == "int8":
+        raise ValueError("`--frozen-weights int8` is a model loaded in 8 bits by bitsandbytes; `roundpipe max-seq` builds"
+                         " its model from a config. HINT: `--frozen-weights fp8` holds the frozen base in 1 byte per"
+                         " parameter too; `roundpipe plan --lora --frozen-weights int8` plans an 8-bit model.")
+    if frozen != "bf16" and not getattr(args, "lora", False):
+        raise ValueError(f"`--frozen-weights {frozen}` needs `--lora`: without it every weight trains and none is"
+                         " frozen. HINT: add `--lora`, or leave out `--frozen-weights`.")
+    return frozen
+
+
 def make_report(args: argparse.Namespace) -> MaxSeqReport:
     """Measure and plan from parsed `roundpipe max-seq` arguments.
 
@@ -98,7 +126,7 @@ def make_report(args: argparse.Namespace) -> MaxSeqReport:
     from lightning_roundpipe.adapters import make_layer_sequence
     from lightning_roundpipe.partition.costmodel import ModelShape, model_profiles
     from lightning_roundpipe.partition.profile import HardwareModel
-    from lightning_roundpipe.partition.seqlen import peak_device_memory_bytes, planned_max_seq_len
+    from lightning_roundpipe.partition.seqlen import frozen_stage_bytes, peak_device_memory_bytes, planned_max_seq_len
     from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
     from lightning_roundpipe.runtime.tuning.max_seq import causal_lm_step, measure_max_seq_len
 
@@ -110,6 +138,7 @@ def make_report(args: argparse.Namespace) -> MaxSeqReport:
                          " memory limit of their own. HINT: e.g. `--device-memory-mib 96`.")
     if args.device_memory_mib is not None and not args.device_memory_mib > 0:
         raise ValueError(f"`--device-memory-mib` must be > 0, got {args.device_memory_mib}.")
+    frozen = _frozen_format(args)
     D = args.devices
     M = args.microbatches or D + 1
     if args.accelerator == "cuda":
@@ -124,7 +153,17 @@ def make_report(args: argparse.Namespace) -> MaxSeqReport:
         devices = [torch.device("cpu")] * D
         budget = enforced = int(args.device_memory_mib * MiB)
     model = _model(args)
-    engine = RoundPipeEngine(make_layer_sequence(model), devices, M, device_memory_bytes=enforced)
+    lora = None
+    if getattr(args, "lora", False):
+        from peft import LoraConfig, get_peft_model
+
+        from lightning_roundpipe.partition.costmodel import LoRASpec
+
+        lora = LoRASpec()
+        model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=2 * lora.rank,
+                                                 target_modules=list(lora.target_modules)))
+    engine = RoundPipeEngine(make_layer_sequence(model), devices, M, device_memory_bytes=enforced,
+                             frozen_weights=None if frozen == "bf16" else frozen)
     # measured: the allocator (CUDA) or the ledger (CPU) decides what fits, not the memory model's check
     # before each program, which is the planned figure below
     engine.executor.memory_check = None
@@ -151,14 +190,15 @@ def make_report(args: argparse.Namespace) -> MaxSeqReport:
         engine.close()
     shape = ModelShape.from_config(model.config)
     hardware = HardwareModel(flops_per_s=1e12, h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10, memory_bytes=budget)
-    dtype_bytes = next(model.parameters()).element_size()
+    dtype_bytes = next(p for p in model.parameters() if p.is_floating_point()).element_size()
 
     def modelled(seq_len: int):
         return model_profiles(shape, hardware, seq_len=seq_len, microbatch_size=args.microbatch_size,
-                              compute_dtype_bytes=dtype_bytes)
+                              compute_dtype_bytes=dtype_bytes, lora=lora, frozen_weights=frozen)
 
-    planned = planned_max_seq_len(modelled, stages, D, budget, limit=args.limit, num_microbatches=M)
-    planned_peak = peak_device_memory_bytes(modelled(max(result.max_seq_len, 1)), stages, D, M)
+    planned = planned_max_seq_len(modelled, stages, D, budget, limit=args.limit, num_microbatches=M, frozen=True)
+    at = modelled(max(result.max_seq_len, 1))
+    planned_peak = peak_device_memory_bytes(at, stages, D, M, stage_bytes=frozen_stage_bytes(at, stages))
     return MaxSeqReport(measured=result.max_seq_len, planned=planned, first_failing=result.first_failing,
                         trials=result.trials, measured_peak_bytes=measured_peak, planned_peak_bytes=planned_peak,
                         device_memory_bytes=budget, error=result.error)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from lightning_roundpipe.partition.costmodel import CostModel, LoRASpec, ModelledProfiles, ModelShape, model_profiles
 from lightning_roundpipe.partition.devices import KNOWN_GPUS, GpuSpec, gpu_spec
+from lightning_roundpipe.partition.frozen import FrozenFormat, check_frozen_format
 from lightning_roundpipe.partition.partitioner import METHODS
 from lightning_roundpipe.partition.presets import canonical_preset_name, preset_config
 from lightning_roundpipe.partition.profile import HardwareModel
@@ -100,11 +101,14 @@ class PlanInputs:
     accumulate_grad_batches: int
     method: str
     overlap_batches: bool = True
+    frozen: FrozenFormat = FrozenFormat()
+    """``--frozen-weights``: the format of the LoRA base's frozen matmul weights (``bf16``: the compute dtype)."""
 
     def modelled(self, seq_len: int, microbatch_size: int, dtype_bytes: int) -> ModelledProfiles:
         """The layer sequence's modelled costs at ``seq_len`` x ``microbatch_size``."""
         return model_profiles(self.shape, self.hardware, seq_len=seq_len, microbatch_size=microbatch_size,
-                              compute_dtype_bytes=dtype_bytes, lora=self.lora, cost_model=self.cost_model)
+                              compute_dtype_bytes=dtype_bytes, lora=self.lora, cost_model=self.cost_model,
+                              frozen_weights=self.frozen)
 
 
 def plan_inputs(args: argparse.Namespace) -> PlanInputs:
@@ -153,6 +157,12 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
     method = getattr(args, "method", "auto")
     if method not in METHOD_CHOICES:
         raise ValueError(f"`--method` must be one of {list(METHOD_CHOICES)}, got {method!r}.")
+    frozen = getattr(args, "frozen_weights", None)
+    frozen = "bf16" if frozen is None else check_frozen_format(frozen)
+    if frozen != "bf16" and not args.lora:
+        raise ValueError(f"`--frozen-weights {frozen}` needs `--lora`: without it every weight trains and no frozen"
+                         " base is held in another format. HINT: add `--lora` (a frozen base, rank-16 adapters train),"
+                         " or leave out `--frozen-weights`.")
     if args.preset is not None:
         key = canonical_preset_name(args.preset)
         shape = ModelShape.from_config(preset_config(key))
@@ -197,7 +207,7 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
                          " HINT: leave it out for half the device memory (the next stage is prefetched beside it).")
     return PlanInputs(shape=shape, hardware=hw, cost_model=cm, lora=lora, num_devices=D, num_microbatches=M,
                       stage_memory_bytes=budget, optimizer=optimizer, accumulate_grad_batches=accumulate, method=method,
-                      overlap_batches=getattr(args, "overlap_batches", True))
+                      overlap_batches=getattr(args, "overlap_batches", True), frozen=FrozenFormat(name=frozen))
 
 
 def model_param_counts(mp: ModelledProfiles) -> tuple[int, int]:

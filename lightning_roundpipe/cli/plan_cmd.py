@@ -21,6 +21,7 @@ printed side by side, with the paper's figures for its models.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Callable, Sequence
 
 from lightning_roundpipe.cli import mixed_plan
 from lightning_roundpipe.cli.plan_fit import budget_label, fit_lines, fitting_remedies, remedies_hint
+from lightning_roundpipe.cli.plan_frozen import frozen_lines
 from lightning_roundpipe.cli.plan_table import stage_table
 from lightning_roundpipe.cli.plan_args import (  # noqa: F401 (also plan_cmd's names before plan_args.py)
     DEFAULT_DEVICE_MEMORY_GIB,
@@ -138,6 +140,22 @@ class PlanReport:
     remedies: tuple = ()
     """When the plan does not fit: the single changes whose plan fits by the same memory model
     (:func:`~lightning_roundpipe.cli.plan_fit.fitting_remedies`)."""
+    formats: tuple = ()
+    """With ``--lora --frozen-weights``: per compared format, its re-planned
+    :class:`~lightning_roundpipe.cli.plan_frozen.FormatRow` (empty otherwise)."""
+
+    @property
+    def host_weight_bytes(self) -> tuple[int, int]:
+        """``(frozen, trainable)`` host bytes of the weights and their training state
+        (:meth:`~lightning_roundpipe.partition.costmodel.ModelledProfiles.host_weight_bytes`)."""
+        return self.modelled.host_weight_bytes()
+
+    @property
+    def weight_h2d_bytes(self) -> int:
+        """Weight bytes one step uploads, all devices: every stage's packed weights once per round of
+        microbatches (a tied embedding / LM head once per stage that uses it)."""
+        rounds = 1 if self.microbatches_per_round is None else -(-self.num_microbatches // self.microbatches_per_round)
+        return rounds * sum(s.param_bytes for s in self.stages)
 
     @property
     def fits(self) -> bool:
@@ -187,6 +205,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
     p.add_argument("--dtype-bytes", type=int, default=2, choices=DTYPE_BYTES,
                    help="bytes of the compute dtype: 1 (fp8), 2 (bf16/fp16) or 4 (fp32); default 2")
+    p.add_argument("--frozen-weights", default=None, metavar="{bf16,fp8,nf4,int8}",
+                   help="with --lora, how the frozen base's matmul weights are held on the host and uploaded: bf16 (the"
+                        " compute dtype; default), fp8 (RoundPipeStrategy(frozen_weights='fp8')), nf4 (frozen_weights="
+                        "'nf4'; a model loaded with BitsAndBytesConfig(load_in_4bit=True) holds the same bytes and"
+                        " dequantises per matmul), int8 (a model loaded in 8 bits); given, the plan also prints bf16,"
+                        " fp8 and nf4 side by side (host memory, uploads, tokens/s), each re-planned")
     p.add_argument("--method", choices=METHOD_CHOICES, default="auto",
                    help="partition: `auto` (default), the candidate the simulator times fastest in the run's"
                         " optimizer mode; or one partitioner method's partition")
@@ -220,9 +244,11 @@ class PlanDoesNotFit(ValueError):
     as for a plan whose peak exceeds the device, not 2 as for a bad argument)."""
 
 
-def make_report(args: argparse.Namespace) -> PlanReport:
+def make_report(args: argparse.Namespace, compare: bool = True) -> PlanReport:
     """Compute the plan and its predictions from parsed `roundpipe plan` arguments (a count of equal
-    devices; a device list is :func:`~lightning_roundpipe.cli.mixed_plan.make_mixed_report`'s).
+    devices; a device list is :func:`~lightning_roundpipe.cli.mixed_plan.make_mixed_report`'s); with
+    ``compare``, ``--lora`` and ``--frozen-weights``, each format of
+    :data:`~lightning_roundpipe.partition.frozen.COMPARED_FORMATS` re-planned (:attr:`PlanReport.formats`).
 
     Raises:
         ValueError: a bad argument value (named, with the valid range), or a layer that does not fit
@@ -263,7 +289,7 @@ def make_report(args: argparse.Namespace) -> PlanReport:
     else:
         step_s, idle = chosen.prediction.step_s, chosen.prediction.idle_pct
         predictor = f"simulator, {optimizer} optimizer" + (", steady state" if optimizer == "async" else "")
-    return PlanReport(
+    report = PlanReport(
         modelled=mp, hardware=hw, num_devices=D, num_microbatches=M, partition=part, stages=stages,
         execution_plan=eplan, step_s=step_s, idle_pct=idle, predictor=predictor,
         optimizer=optimizer, mode_choices=choices, num_candidates=len(candidates), optimizer_bytes=optimizer_bytes,
@@ -276,6 +302,11 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         stage_memory_bytes=budget, layer_budget_bytes=layer_budget,
         max_seq_len_bound=MAX_SEQ_LEN_SEARCHED,
     )
+    if compare and args.lora and getattr(args, "frozen_weights", None) is not None:
+        from lightning_roundpipe.cli.plan_frozen import compare_formats
+
+        report = dataclasses.replace(report, formats=compare_formats(args, report, make_report))
+    return report
 
 
 def longest_sequence(modelled: Callable[[int], ModelledProfiles], stage_memory_bytes: int) -> int:
@@ -375,6 +406,7 @@ def format_report(r: PlanReport, grid_rows: int = 40, full_table: bool = False) 
         + "; an upper bound: the pools come on top,"
         " `--seq-len N` plans a length against the device"
         + (f"; the search stops at {r.max_seq_len_bound:,} tokens)" if r.max_seq_len_mb1 >= r.max_seq_len_bound else ")"),
+        *frozen_lines(r),
         *(f"ERROR: {line}" if i == 0 else line for i, line in enumerate(fit_lines(r))),
     ]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """`roundpipe plan` for a plan that does not fit: which single changes would fit, by the same memory model.
 
-:func:`fitting_remedies` tries the changes a user can make one at a time (LoRA, a smaller microbatch, a
-shorter sequence, one pool bank, the automatic lowering of the per-stage budget, devices with more
+:func:`fitting_remedies` tries the changes a user can make one at a time (LoRA, an nf4 frozen base
+under LoRA, a smaller microbatch, a shorter sequence, one pool bank, the automatic lowering of the per-stage budget, devices with more
 memory; not more devices: they add transfer slots and take no stage weights off a device), each through the partitioner's candidates and the one memory model
 (:func:`~lightning_roundpipe.partition.fitting.fitting_candidates`, :func:`~lightning_roundpipe.partition.fitting.modelled_peak`),
 and names only those whose plan fits the device. Pure: no torch, no device, no simulator.
@@ -14,6 +14,7 @@ import math
 from typing import Any, Sequence
 
 from lightning_roundpipe.partition.costmodel import LoRASpec
+from lightning_roundpipe.partition.frozen import FrozenFormat
 from lightning_roundpipe.partition.fitting import fitting_candidates, modelled_peak
 from lightning_roundpipe.partition.memory import overlap_banks
 from lightning_roundpipe.partition.partitioner import describe_stages, min_stage_memory_bytes
@@ -96,6 +97,9 @@ def fitting_remedies(given: Any, *, seq_len: int, microbatch_size: int, dtype_by
     if given.lora is None:
         fits(f"`--lora` (rank {lora_rank}: a frozen base, only adapters train)", ("--lora",),
              dataclasses.replace(given, lora=LoRASpec(rank=lora_rank)))
+    elif given.frozen.name in ("bf16", "fp8"):  # a packed base: smaller stage weight slots
+        fits("`--frozen-weights nf4` (the run's `frozen_weights=\"nf4\"`: the frozen base packed in 4 bits)",
+             ("--frozen-weights", "nf4"), dataclasses.replace(given, frozen=FrozenFormat(name="nf4")))
     size = microbatch_size // 2
     while size >= 1 and not fits(f"`--microbatch-size {size}`", ("--microbatch-size", str(size)),
                                         microbatch_size=size):
@@ -166,6 +170,6 @@ def remedies_hint(remedies: Sequence[Remedy]) -> str:
     """The HINT naming ``remedies`` (the changes that fit), or saying that no single change tried fits."""
     if remedies:
         return "HINT: each of these fits by the same memory model: " + "; ".join(r.describe() for r in remedies) + "."
-    return ("HINT: no single change tried fits (LoRA, a smaller microbatch, a shorter sequence, one pool bank, devices"
+    return ("HINT: no single change tried fits (LoRA, an nf4 base, a smaller microbatch, a shorter sequence, one pool bank, devices"
             " with more memory); combine them.")
 

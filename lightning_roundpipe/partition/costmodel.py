@@ -22,6 +22,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
+from lightning_roundpipe.partition.frozen import (
+    FrozenFormat,
+    FrozenLayerBytes,
+    apply_format,
+    check_frozen_format,
+    converted_bytes,
+)
 from lightning_roundpipe.partition.profile import HardwareModel, LayerProfile, SharedWeight
 
 LayerKind = Literal["prefix", "decoder", "tail"]
@@ -264,6 +271,13 @@ class LayerCost:
     saved_activation_bytes: int
     """Bytes autograd keeps inside the layer for one microbatch while a backward stage recomputes and
     back-propagates it (for the tail: also one chunk of logits and their gradient, see ``CostModel.loss_chunk_bytes``)."""
+    frozen_matmul_shapes: tuple[tuple[int, int, int], ...] = ()
+    """With LoRA, the frozen matmul weights a ``frozen_weights`` format converts, ``(count, rows, cols)`` each
+    (``nn.Linear`` weights ``(out_features, in_features)``: the attention and dense MLP projections, an untied
+    LM head); empty for full fine-tuning (nothing frozen)."""
+    frozen_expert_shapes: tuple[tuple[int, int, int], ...] = ()
+    """With LoRA, the fused 3-D expert weights of a MoE layer, ``(experts, rows, cols)`` each (frozen, but
+    not converted by the runtime: see :class:`~lightning_roundpipe.partition.frozen.FrozenFormat`)."""
 
     @property
     def forward_flops(self) -> float:
@@ -408,8 +422,14 @@ class CostModel:
                 mlp_elems_per_tok = 3 * I
                 mlp_saved_per_tok = (4 + 3) * I * B  # saved: gate, up, act(gate), product; backward working set: 3 gradients of width I
             adapters = 0
+            frozen_shapes: tuple[tuple[int, int, int], ...] = ()
+            expert_shapes: tuple[tuple[int, int, int], ...] = ()
             if lora is not None:
                 adapters = sum(lora.rank * (fi + fo) for name, (fi, fo) in targets.items() if name in lora.target_modules)
+                frozen_shapes = tuple((1, fo, fi) for fi, fo in targets.values())  # nn.Linear weights: (out, in)
+                if moe:
+                    Im = shape.moe_intermediate_size
+                    expert_shapes = ((shape.num_experts, 2 * Im, h), (shape.num_experts, h, Im))
             params = attn_params + mlp_params + norm_params + adapters
             elems_per_tok = 10 * h + 4 * (nh + nkv) * hd + 2 * (nh + nkv) * hd + mlp_elems_per_tok
             saved = T * (4 * h + 2 * (nh + 2 * nkv) * hd + nh * hd) * B + T * nh * 4 + T * mlp_saved_per_tok
@@ -425,6 +445,8 @@ class CostModel:
                 forward_elementwise_bytes=float(T * elems_per_tok * B),
                 activation_bytes=T * h * B,
                 saved_activation_bytes=int(saved),
+                frozen_matmul_shapes=frozen_shapes,
+                frozen_expert_shapes=expert_shapes,
             ))
 
         # -- tail: final norm, LM head, loss (fused kernel over the logits, chunk by chunk over tokens)
@@ -435,6 +457,8 @@ class CostModel:
             forward_gemm_flops=2.0 * T * head, backward_gemm_flops=grad_mult * 2.0 * T * head,
             forward_elementwise_bytes=float(4 * T * h * B), forward_fused_bytes=float(T * V * 2 * B),
             activation_bytes=T * h * B, saved_activation_bytes=2 * T * h * B + loss_tokens * V * self.bytes_per_logit(B),
+            # an untied frozen LM head is an nn.Linear weight; a tied one is the embedding's (never converted)
+            frozen_matmul_shapes=((1, V, h),) if frozen and not shape.tie_word_embeddings else (),
         ))
         return out
 
@@ -497,10 +521,55 @@ class ModelledProfiles:
     shared_weights: tuple[SharedWeight, ...] = ()
     """The tied embedding / LM head weight, which the prefix's and the tail's profiles both count
     (pass to ``describe_stages``)."""
+    compute_dtype_bytes: int = 2
+    """Bytes of the compute dtype the profiles count weights and activations in."""
+    frozen: FrozenFormat = field(default_factory=FrozenFormat)
+    """How the frozen matmul weights of a LoRA base are held and uploaded (``bf16``: the compute dtype)."""
+    frozen_layer_bytes: tuple[FrozenLayerBytes, ...] = ()
+    """Per layer, the device bytes of its converted weights' dequantisation (empty: none converted; pass
+    to :func:`~lightning_roundpipe.partition.memory.planner_stage_bytes`)."""
+    dequant_s: tuple[float, ...] = ()
+    """Per layer, seconds of dequantising its converted weights once (empty: none converted): in the
+    profiles' ``bind_s`` (once per residency: fp8, ``frozen_weights="nf4"``), or in their ``forward_s`` and
+    ``backward_s`` times :meth:`FrozenFormat.dequant_passes <lightning_roundpipe.partition.frozen.FrozenFormat.dequant_passes>`
+    (per matmul: a model loaded in 4 or 8 bits)."""
 
     @property
     def tokens_per_microbatch(self) -> int:
         return self.seq_len * self.microbatch_size
+
+    @property
+    def converted_param_count(self) -> int:
+        """Frozen parameters held in :attr:`frozen`'s format (0 for ``bf16``), elements."""
+        return self.converted_bytes()[0]
+
+    def converted_bytes(self) -> tuple[int, int]:
+        """``(parameters, host bytes)`` of the frozen weights held in :attr:`frozen`'s format (``(0, 0)`` for
+        ``bf16``); their bytes per parameter are what ``roundpipe/frozen_matmul_host_bytes_per_param(bytes)``
+        measures in a run."""
+        return converted_bytes(self.costs, self.frozen, self.compute_dtype_bytes)
+
+    @property
+    def frozen_expert_param_count(self) -> int:
+        """Frozen parameters of fused 3-D MoE expert weights (with LoRA), elements: held in the compute dtype
+        in every format unless :attr:`FrozenFormat.experts <lightning_roundpipe.partition.frozen.FrozenFormat.experts>`."""
+        return sum(count * rows * cols for c in self.costs for count, rows, cols in c.frozen_expert_shapes)
+
+    def host_weight_bytes(self) -> tuple[int, int]:
+        """``(frozen, trainable)`` host bytes of the model's weights as the runtime holds them: the frozen
+        parameters in the compute dtype, their converted matmul weights packed (:attr:`frozen`), a tied
+        embedding / LM head once; per trainable parameter the paper's 20 bytes under mixed precision
+        (compute copy 2, gradient slot 2, fp32 master 4, fp32 gradient 4, Adam's moments 8;
+        ``lightning_roundpipe.runtime.host.memory``), 16 with an fp32 compute dtype (no copy, no slot)."""
+        B = self.compute_dtype_bytes
+        frozen = sum(p.param_bytes - c.trainable_param_count * B for c, p in zip(self.costs, self.profiles))
+        trainable = sum(c.trainable_param_count for c in self.costs)
+        for shared in self.shared_weights:  # counted in each of its layers' bytes, held once
+            if shared.grad_bytes:
+                trainable -= (len(shared.layers) - 1) * shared.param_bytes // B
+            else:
+                frozen -= (len(shared.layers) - 1) * shared.param_bytes
+        return frozen, trainable * (20 if B < 4 else 16)
 
     @property
     def saved_activation_bytes(self) -> tuple[int, ...]:
@@ -517,6 +586,7 @@ def model_profiles(
     compute_dtype_bytes: int = 2,
     lora: LoRASpec | None = None,
     cost_model: CostModel | None = None,
+    frozen_weights: FrozenFormat | str | None = None,
 ) -> ModelledProfiles:
     """Modelled :class:`LayerProfile` s of a model's layer sequence (``num_hidden_layers + 2`` entries).
 
@@ -528,12 +598,25 @@ def model_profiles(
         compute_dtype_bytes: 2 for bf16/fp16 weights and activations.
         lora: LoRA (frozen base, adapters train) when given.
         cost_model: efficiencies; the fitted defaults when ``None``.
+        frozen_weights: the format of the frozen matmul weights (``"bf16"``, ``"fp8"``, ``"nf4"``, ``"int8"``
+            or a :class:`~lightning_roundpipe.partition.frozen.FrozenFormat`; ``None``: ``bf16``, the compute
+            dtype): each layer's ``param_bytes`` counts them packed, its ``bind_s`` (fp8, ``frozen_weights="nf4"``:
+            once per residency) or its ``forward_s`` / ``backward_s`` (a model loaded in 4 or 8 bits: per matmul)
+            the dequantisations (:func:`~lightning_roundpipe.partition.frozen.dequant_seconds` at
+            ``cost_model.device_memory_bytes_per_s``), and :attr:`ModelledProfiles.frozen_layer_bytes` the
+            device's dequantised copies. Without ``lora`` nothing is frozen and the format changes nothing.
+
+    Raises:
+        ValueError: an unknown ``frozen_weights`` (with the valid ones and a HINT).
     """
     shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model)
     cm = cost_model or CostModel()
+    fmt = frozen_weights if isinstance(frozen_weights, FrozenFormat) else FrozenFormat(
+        name=check_frozen_format("bf16" if frozen_weights is None else frozen_weights, "frozen_weights"))
     costs = cm.layer_costs(shape, seq_len=seq_len, microbatch_size=microbatch_size,
                            compute_dtype_bytes=compute_dtype_bytes, lora=lora)
     profiles = tuple(cm.profile(c, hardware, compute_dtype_bytes) for c in costs)
+    profiles, layer_bytes, dequant = apply_format(costs, profiles, fmt, compute_dtype_bytes, cm.device_memory_bytes_per_s)
     shared: tuple[SharedWeight, ...] = ()
     if shape.tie_word_embeddings:
         tied = shape.vocab_size * shape.hidden_size
@@ -541,7 +624,9 @@ def model_profiles(
         shared = (SharedWeight(layers=(0, len(costs) - 1), param_bytes=tied * compute_dtype_bytes,
                                grad_bytes=tied * compute_dtype_bytes if trained else 0),)
     return ModelledProfiles(shape=shape, costs=tuple(costs), profiles=profiles, seq_len=seq_len,
-                            microbatch_size=microbatch_size, lora=lora, cost_model=cm, shared_weights=shared)
+                            microbatch_size=microbatch_size, lora=lora, cost_model=cm, shared_weights=shared,
+                            compute_dtype_bytes=compute_dtype_bytes, frozen=fmt, frozen_layer_bytes=layer_bytes,
+                            dequant_s=dequant)
 
 
 def meta_param_counts(config: Any) -> list[int]:

@@ -45,7 +45,9 @@ def modelled_peak(mp: ModelledProfiles, stages: Sequence[StageSummary], num_devi
     """Peak bytes on any device, the one memory model
     (:func:`~lightning_roundpipe.partition.seqlen.peak_device_memory_bytes`): pools x ``banks`` (2 in the
     overlapped modes: async, or sync with accumulation), the fp32 accumulators under mixed precision, the
-    transfer slots of the step's program, and the largest stage working set."""
+    transfer slots of the step's program, and the largest stage working set with the dequantised copies
+    of its frozen weights (``mp.frozen``'s format)."""
     kinds = [(s.kind, s.layers) for s in stages]
     return peak_device_memory_bytes(mp, kinds, num_devices, num_microbatches, banks=banks,
-                                    stage_bytes=planner_stage_bytes(mp.profiles, kinds, dtype_bytes))
+                                    stage_bytes=planner_stage_bytes(mp.profiles, kinds, dtype_bytes,
+                                                                    mp.frozen_layer_bytes))

@@ -18,7 +18,9 @@ What a device holds while it runs a step, as the runtime allocates it
   download** (a ``D2H`` on its own stream: a forward stage's output and the boundaries it saves for the
   backward stages, a backward stage's outgoing gradient); with ``frozen_weights="fp8"``, the stage's
   **dequantised copies** (the compute dtype, freed after the stage's last compute op) plus the fp32
-  transient of the largest one; under mixed precision, autocast's casts of fp32 matmul weights;
+  transient of the largest one; with bitsandbytes weights (nf4, int8: ``frozen_weights="nf4"`` or a model
+  loaded in 4 or 8 bits), the compute-dtype copy of the largest weight, which each matmul dequantises and
+  frees; under mixed precision, autocast's casts of fp32 matmul weights;
 - **the previous stage's gradients**: the stage the device computed just before a backward stage
   leaves its fp32 ``.grad`` tensors on the device until its ``WD2H`` and ``DROP`` (the ``d2h`` stream),
   which the program does not order before the next stage's compute.
@@ -41,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from lightning_roundpipe.partition.frozen import FrozenLayerBytes
 from lightning_roundpipe.partition.partitioner import stage_memory
 from lightning_roundpipe.partition.profile import LayerProfile
 
@@ -59,7 +62,9 @@ class StageBytes:
         accumulator_bytes: its fp32 gradient accumulator slot (trainable weights narrower than fp32;
             backward stages only).
         dequantised_bytes: its fp8 weights' dequantised copies in the compute dtype.
-        dequant_transient_bytes: the fp32 transient of its largest fp8 weight's dequantisation.
+        dequant_transient_bytes: the fp32 transient of its largest fp8 weight's dequantisation; for
+            bitsandbytes weights (nf4, int8), the compute-dtype copy of its largest weight that a matmul
+            dequantises and frees.
         cast_bytes: compute-dtype casts autocast makes of its fp32 matmul weights (a tied embedding as
             the LM head under mixed precision), held while one of its ops runs.
         held_grad_bytes: the weight gradients autograd leaves on the device until the stage's ``DROP``
@@ -229,15 +234,21 @@ def aligned(nbytes: int) -> int:
 
 
 def planner_stage_bytes(profiles: Sequence[LayerProfile], stages: Sequence[tuple[str, range]],
-                        compute_dtype_bytes: int) -> list[StageBytes]:
+                        compute_dtype_bytes: int, frozen: Sequence[FrozenLayerBytes] = ()) -> list[StageBytes]:
     """:class:`StageBytes` for a plan made without a run: each backward stage's (and the fused tail's)
     fp32 gradient accumulator, its trainable bytes in fp32 when the compute dtype is narrower
-    (``compute_dtype_bytes < 4``: mixed precision uploads half-precision weights and accumulates in fp32)."""
+    (``compute_dtype_bytes < 4``: mixed precision uploads half-precision weights and accumulates in fp32);
+    with ``frozen`` (per layer, :attr:`~lightning_roundpipe.partition.costmodel.ModelledProfiles.frozen_layer_bytes`),
+    the dequantised copies of a stage's converted frozen weights (fp8: held while it computes) and the
+    largest transient (fp8's fp32 one; bitsandbytes' compute-dtype copy of one weight inside a matmul)."""
     if compute_dtype_bytes < 1:
         raise ValueError(f"`compute_dtype_bytes` must be >= 1, got {compute_dtype_bytes!r}.")
     out = []
     for kind, layers in stages:
         trainable = sum(profiles[i].grad_bytes for i in layers)
         accumulate = trainable * 4 // compute_dtype_bytes if kind != "forward" and compute_dtype_bytes < 4 else 0
-        out.append(StageBytes(accumulator_bytes=accumulate, held_grad_bytes=trainable if not accumulate else 0))
+        held = [frozen[i] for i in layers] if frozen else []
+        out.append(StageBytes(accumulator_bytes=accumulate, held_grad_bytes=trainable if not accumulate else 0,
+                              dequantised_bytes=sum(f.dequantised_bytes for f in held),
+                              dequant_transient_bytes=max((f.transient_bytes for f in held), default=0)))
     return out

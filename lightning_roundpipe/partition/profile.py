@@ -19,6 +19,9 @@ class LayerProfile:
         trainable_param_bytes: bytes of the weights that receive gradients (D2H per backward stage);
             defaults to ``param_bytes``; 0 for a frozen layer (LoRA base without adapters).
         name: label for tables and error messages.
+        bind_s: seconds of dequantising the layer's packed frozen weights once, when a stage's residency
+            on a device first binds them (fp8, ``frozen_weights="nf4"``: the simulator adds it to the first
+            compute op of each residency); 0 for measured profiles, whose forward times include it.
     """
 
     forward_s: float
@@ -27,9 +30,10 @@ class LayerProfile:
     activation_bytes: int
     trainable_param_bytes: int | None = None
     name: str = ""
+    bind_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for field_name in ("forward_s", "backward_s", "param_bytes", "activation_bytes"):
+        for field_name in ("forward_s", "backward_s", "param_bytes", "activation_bytes", "bind_s"):
             v = getattr(self, field_name)
             if v < 0:
                 raise ValueError(f"`LayerProfile.{field_name}` must be >= 0, got {v!r} for layer {self.name!r}.")

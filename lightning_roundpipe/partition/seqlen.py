@@ -89,7 +89,8 @@ def peak_device_memory_bytes(mp: ModelledProfiles, stages: Stages, num_devices: 
 
 
 def planned_max_seq_len(modelled: Callable[[int], ModelledProfiles], stages: Stages, num_devices: int,
-                        device_memory_bytes: int, *, limit: int = 1 << 20, num_microbatches: int | None = None) -> int:
+                        device_memory_bytes: int, *, limit: int = 1 << 20, num_microbatches: int | None = None,
+                        frozen: bool = False) -> int:
     """Longest sequence (tokens) whose modelled peak device memory fits ``device_memory_bytes``; 0 if
     not even one token fits; ``limit`` means "at least ``limit``".
 
@@ -100,12 +101,31 @@ def planned_max_seq_len(modelled: Callable[[int], ModelledProfiles], stages: Sta
         device_memory_bytes: one device's memory, bytes.
         limit: the largest length searched.
         num_microbatches: microbatches per step: the transfer pool is counted (``None``: it is not).
+        frozen: count the dequantised copies of the frozen weights of the profiles' format
+            (:func:`frozen_stage_bytes`).
     """
 
     def fits(seq_len: int) -> bool:
-        return peak_device_memory_bytes(modelled(seq_len), stages, num_devices, num_microbatches) <= device_memory_bytes
+        mp = modelled(seq_len)
+        return peak_device_memory_bytes(mp, stages, num_devices, num_microbatches,
+                                        stage_bytes=frozen_stage_bytes(mp, stages) if frozen else None
+                                        ) <= device_memory_bytes
 
     return largest_fitting(fits, limit)
+
+
+def frozen_stage_bytes(mp: ModelledProfiles, stages: Stages) -> list[StageBytes] | None:
+    """Per stage, the device copies of its converted frozen weights (``mp.frozen``'s format:
+    :attr:`~lightning_roundpipe.partition.costmodel.ModelledProfiles.frozen_layer_bytes`), the rest as the
+    default :class:`StageBytes`; ``None`` when no weight is converted."""
+    if not mp.frozen_layer_bytes:
+        return None
+    out = []
+    for _, layers in stages:
+        held = [mp.frozen_layer_bytes[i] for i in layers]
+        out.append(StageBytes(dequantised_bytes=sum(f.dequantised_bytes for f in held),
+                              dequant_transient_bytes=max((f.transient_bytes for f in held), default=0)))
+    return out
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int) -> int:

@@ -21,7 +21,10 @@ It never models what the program does not contain: no reordering, no preemption,
   = sum of ``backward_s``, times ``1 - weight_grad_fraction`` when the stage has ``W`` ops (ZB-H1),
   whose ``W`` = ``weight_grad_fraction`` x sum of ``backward_s``. Profiles are times on a device of
   speed 1; a compute op on device ``d`` takes its time over ``plan._meta["device_speeds"][d]``
-  (the relative speeds the builder's dispatch policy names, DESIGN.md section 12; 1 without).
+  (the relative speeds the builder's dispatch policy names, DESIGN.md section 12; 1 without). The first
+  compute op of each residency (a run of one stage's ops on a device's compute stream) also takes the
+  stage's ``bind_s``: the runtime dequantises packed frozen weights (fp8, ``frozen_weights="nf4"``) when a
+  layer first binds them there.
 - **Transfers** (bytes / (bytes/s)): ``LOAD`` chunk = ``op.nbytes`` / ``h2d_bytes_per_s``, and
   ``WD2H`` = ``op.nbytes`` / ``d2h_bytes_per_s``; free without ``hardware``. Activations
   (``H2D``, ``GH2D``, ``D2H``) move the ``activation_bytes`` of the layer boundary they cross over
@@ -101,6 +104,17 @@ class _CostModel:
         self.recompute_s = [sum(profiles[i].forward_s for i in spec.layers if not (bound and i == head))
                             for spec in plan.stages]
         self.backward_s = [sum(profiles[i].backward_s for i in spec.layers) for spec in plan.stages]
+        # packed frozen weights dequantised when a residency first binds them (fp8, frozen_weights="nf4"): the
+        # first compute op of each run of one stage's ops on a device's compute stream (one residency)
+        self.bind_s = [sum(profiles[i].bind_s for i in spec.layers) for spec in plan.stages]
+        self.binds: set[Op] = set()
+        if any(self.bind_s):
+            for per in program.streams:
+                previous = None
+                for op in per["compute"]:
+                    if op.stage_index != previous:
+                        self.binds.add(op)
+                    previous = op.stage_index
         self.split_stages = {op.stage_index for per in program.streams for op in per["compute"] if op.kind is OpKind.W}
         self.hop_ends: set[Op] = set()
         if comm_s_per_hop is not None:
@@ -117,7 +131,8 @@ class _CostModel:
         return self.microbatch_weights[op.microbatch_index]
 
     def compute_s(self, op: Op) -> float:
-        return self._weight(op) * self._compute_s(op)
+        bind = self.bind_s[op.stage_index] if op in self.binds else 0.0
+        return self._weight(op) * self._compute_s(op) + bind
 
     def _compute_s(self, op: Op) -> float:
         stage = op.stage_index

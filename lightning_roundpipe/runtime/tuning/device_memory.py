@@ -3,7 +3,9 @@ each device's budget, and the check of every partition before the first step.
 
 :func:`predicted_peaks` fills :func:`~lightning_roundpipe.partition.memory.device_peaks` with what the
 runtime will allocate: per stage its packed upload (a stage weight slot), its fp32 accumulator, its fp8
-weights' dequantised copies (compute dtype) and fp32 transient, read from the
+weights' dequantised copies (compute dtype) and fp32 transient, those of its ``frozen_weights="nf4"``
+weights, the working copy of its largest weight loaded in 4 or 8 bits that bitsandbytes' matmul
+dequantises (:func:`dequantised_bytes`), read from the
 :class:`~lightning_roundpipe.runtime.host.store.WeightStore`; the transfer slots of the program's own
 slot assignment (:func:`~lightning_roundpipe.schedule.buffers.device_slots`) sized to the stage
 boundaries; and, for a Hugging Face causal LM, each layer's activations from the cost model
@@ -83,22 +85,48 @@ def _autocast_copies(store: Any, layers: Sequence[torch.nn.Module], autocast_byt
     return total
 
 
+def dequantised_bytes(entry: Any) -> tuple[int, int]:
+    """``(held, transient)`` device bytes of one store entry's dequantisation (``(0, 0)`` for a weight uploaded
+    as it computes):
+
+    - fp8 (``entry.block`` without ``entry.packed``): its compute-dtype copy, held from the bind to the stage's
+      last compute op, through an fp32 transient;
+    - ``frozen_weights="nf4"`` (``entry.packed.converted``): its copy in ``entry.dequant_dtype``, held as fp8's;
+      bitsandbytes' ``dequantize_4bit`` writes the original dtype (``packed.meta["dtype"]``), so a transient of
+      that size when the two differ;
+    - a weight loaded in 4 or 8 bits (``entry.packed``, not converted): nothing held; bitsandbytes' matmul
+      dequantises it into ``entry.dequant_dtype`` (its working dtype) and frees it after the op (the transient).
+    """
+    packed = getattr(entry, "packed", None)
+    if packed is not None:
+        numel = int(packed.shape[0]) * int(packed.shape[1])
+        working = aligned(numel * entry.dequant_dtype.itemsize)
+        if not packed.converted:
+            return 0, working
+        original = packed.meta.get("dtype")
+        wider = isinstance(original, torch.dtype) and original != entry.dequant_dtype
+        return working, aligned(numel * original.itemsize) if wider else 0
+    if entry.block is not None:
+        numel = entry.master.numel()
+        return aligned(numel * entry.dequant_dtype.itemsize), aligned(numel * 4)
+    return 0, 0
+
+
 def stage_bytes(store: Any, stages: Sequence[Any], layers: Sequence[torch.nn.Module] | None = None,
                 autocast_bytes: int | None = None) -> list[StageBytes]:
     """Per stage (a :class:`~lightning_roundpipe.schedule.plan.StageSpec`), its pool and dequantisation bytes
     as the runtime allocates them (see the module docstring); with ``layers`` (the sequence's modules) and
-    ``autocast_bytes`` (the autocast dtype's size), the autocast casts of fp32 matmul weights."""
+    ``autocast_bytes`` (the autocast dtype's size), the autocast casts of fp32 matmul weights; the
+    dequantised copies of its packed frozen weights (:func:`dequantised_bytes`)."""
     out = []
     for spec in stages:
         layout = store.layout(spec.layers)
         casts = _autocast_copies(store, [layers[i] for i in spec.layers], autocast_bytes) if layers else 0
         dequantised = transient = 0
         for key in layout.tensors:
-            entry = store.tensors[key]
-            if entry.block is not None:
-                numel = entry.master.numel()
-                dequantised += aligned(numel * entry.dequant_dtype.itemsize)
-                transient = max(transient, aligned(numel * 4))
+            held, passing = dequantised_bytes(store.tensors[key])
+            dequantised += held
+            transient = max(transient, passing)
         accumulate = store.accumulator_numel(spec.layers) * 4 if spec.kind == "backward" else 0
         held = sum(store.tensors[k].master.numel() * store.tensors[k].dtype.itemsize for k in layout.tensors
                    if store.tensors[k].is_param and store.tensors[k].master.requires_grad
