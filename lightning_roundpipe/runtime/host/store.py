@@ -46,6 +46,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Iterable, Sequence
 
@@ -53,13 +54,13 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.partition.profile import SharedWeight
-from lightning_roundpipe.runtime.host import fp8
+from lightning_roundpipe.runtime.host import bnb, fp8
 from lightning_roundpipe.runtime.host.frozen import FrozenWeights
 from lightning_roundpipe.runtime.host.grads import GradAccumulator, download_bytes, needs_fp32_accumulation
 from lightning_roundpipe.runtime.host.layout import ResidentStage, StageLayout, _padded_bytes, _Tensor
 from lightning_roundpipe.runtime.host.pinned import is_pinned, pinned_empty
 
-FROZEN_WEIGHT_MODES = (None, "fp8")
+FROZEN_WEIGHT_MODES = (None, "fp8", "nf4")
 """Valid ``frozen_weights`` of :class:`WeightStore` (``RoundPipeConfig.frozen_weights``)."""
 
 #: modules whose ``weight`` is an operand of a matrix multiply or convolution that ``torch.autocast``
@@ -125,7 +126,8 @@ class WeightStore(FrozenWeights):
                  pin_memory: bool = False, frozen_weights: str | None = None) -> None:
         if frozen_weights not in FROZEN_WEIGHT_MODES:
             raise ValueError(f"`frozen_weights` must be one of {list(FROZEN_WEIGHT_MODES)}, got {frozen_weights!r}."
-                             " HINT: 'fp8' holds the frozen matmul weights (a LoRA base) in fp8 with per-channel scales.")
+                             " HINT: 'fp8' holds the frozen matmul weights (a LoRA base) in fp8 with per-channel scales,"
+                             " 'nf4' in bitsandbytes' 4-bit NormalFloat.")
         self.layers = list(layers)
         self.compute_dtype = compute_dtype
         self.pin_memory = pin_memory
@@ -147,6 +149,9 @@ class WeightStore(FrozenWeights):
         self.entries: list[list[tuple[str, int]]] = []
         in_compute_dtype = autocast_cast_weights(self.layers) if compute_dtype is not None else set()
         in_fp8 = self.frozen_matmul if frozen_weights == "fp8" else {}
+        in_nf4 = self.frozen_matmul if frozen_weights == "nf4" else {}
+        if in_nf4:
+            bnb.require_bnb('`frozen_weights="nf4"`')
         for index, layer in enumerate(self.layers):
             entries = []
             named = [(n, p, True) for n, p in layer.named_parameters(remove_duplicate=False)]
@@ -161,8 +166,14 @@ class WeightStore(FrozenWeights):
                     dtype = compute_dtype if half else tensor.dtype
                     self.tensors[key] = entry = _Tensor(tensor, is_param, dtype, persistent=persistent)
                     try:
-                        if key in in_fp8:
+                        owner, _, leaf = name.rpartition(".")
+                        kind = bnb.packed_kind(layer.get_submodule(owner), leaf, tensor) if is_param else None
+                        if kind is not None:
+                            self._hold_loaded_packed(entry, layer.get_submodule(owner), kind)
+                        elif key in in_fp8:
                             self._hold_frozen_in_fp8(entry, in_fp8[key], f"`{name}` of layer {index}")
+                        elif key in in_nf4 and in_nf4[key] == 0:  # an nn.Linear weight (out, in)
+                            self._hold_frozen_in_nf4(entry)
                         else:
                             self._hold_frozen_in_compute_dtype(entry)
                     except BaseException:  # the parameters converted so far get their dtype back (values rounded)
@@ -396,13 +407,25 @@ class WeightStore(FrozenWeights):
         get a :class:`~lightning_roundpipe.runtime.host.grads.GradAccumulator`, summing into
         ``accumulator_buffer`` (``uint8``, at least :meth:`accumulator_numel` fp32 elements: a slot of
         the device's accumulator pool; ``None``: allocated at the first gradient)."""
-        views, grad_pairs, buffer_pairs, saved, quantised = [], [], [], [], {}
+        views, grad_pairs, buffer_pairs, saved, quantised, states = [], [], [], [], {}, {}
         for key, offset in zip(layout.tensors, layout.offsets):
             entry = self.tensors[key]
+            if entry.packed is not None:  # bitsandbytes codes with their whole quantisation state
+                pieces = bnb.split(buffer[offset:offset + entry.block.numel()], entry.packed.pieces)
+                if entry.packed.converted:  # frozen_weights="nf4": dequantised when a layer binds it
+                    quantised[len(views)] = functools.partial(bnb.dequantise_nf4, pieces, entry.packed,
+                                                              entry.dequant_dtype)
+                    views.append(pieces["data"])
+                else:  # loaded in 4/8 bits: the module computes with bitsandbytes' kernels on these views
+                    weight, lt_state = bnb.device_weight(pieces, entry.packed)
+                    if lt_state is not None:
+                        states[len(views)] = lt_state
+                    views.append(weight)
+                continue
             if entry.block is not None:  # fp8 codes and scales, dequantised when a layer binds them
                 view, scale = fp8.split_block(buffer[offset:offset + entry.block.numel()], entry.master.shape,
                                               entry.channel_dim)
-                quantised[len(views)] = (scale, entry.dequant_dtype)
+                quantised[len(views)] = functools.partial(fp8.dequantise, view, scale, entry.dequant_dtype)
                 views.append(view)
                 continue
             nbytes = entry.master.numel() * entry.dtype.itemsize
@@ -417,7 +440,7 @@ class WeightStore(FrozenWeights):
         low = [(master, view) for master, view in grad_pairs if needs_fp32_accumulation(view.dtype)]
         accumulator = GradAccumulator(low, accumulator_buffer) if low else None
         return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs, accumulator, quantised,
-                             saved_buffers=saved)
+                             saved_buffers=saved, states=states)
 
     @staticmethod
     def own_buffers(resident: ResidentStage) -> None:
