@@ -74,6 +74,7 @@ def conversion_memory(mode: str = "fp8") -> None:
     candidates = fp8_candidates(seq.layers)
     weights = [p for p in model.parameters() if id(p) in candidates]
     fp32 = sum(p.numel() * p.element_size() for p in weights)
+    numel = sum(p.numel() for p in weights)  # before the conversion (nf4 packs two parameters a byte)
     rss_before = _status_kib("VmRSS") * 1024
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # resets VmHWM to the current RSS
@@ -85,7 +86,7 @@ def conversion_memory(mode: str = "fp8") -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     rss_trimmed = _status_kib("VmRSS") * 1024
     mib = 2**20
-    print(f"conversion: {len(weights)} frozen base linears, {sum(p.numel() for p in weights) / 1e6:.1f}M parameters,"
+    print(f"conversion: {len(weights)} frozen base linears, {numel / 1e6:.1f}M parameters,"
           f" fp32 {fp32 / mib:.1f} MiB -> {mode} blocks {blocks / mib:.1f} MiB (codes + scales) in {seconds:.2f} s")
     print(f"  host RSS before {rss_before / mib:.1f} MiB, after {rss_after / mib:.1f} MiB"
           f" ({(rss_after - rss_before) / mib:+.1f} MiB); peak during the conversion {peak / mib:.1f} MiB"
