@@ -33,6 +33,11 @@
   when its layer first binds in that residency, kept until the ``DROP``. :meth:`WeightStore.restore_frozen`
   gives back the original dtype with the fp8-rounded values; :meth:`WeightStore.host_weights` lends
   dequantised copies to un-pipelined host calls.
+- **bitsandbytes weights** (:mod:`~lightning_roundpipe.runtime.host.bnb`): a weight loaded in 4/8 bits
+  (``Linear4bit``/``Linear8bitLt``) is held as one host block with its whole quantisation state (the module's
+  tensors become views of it, same values) and each device binds a ``Params4bit``/``Int8Params`` of views of
+  its upload, so bitsandbytes' kernels compute on the device; with ``frozen_weights="nf4"`` the frozen
+  ``nn.Linear`` weights are quantised so at construction and dequantised on bind as the fp8 ones.
 - **Stage layout**: a stage's unique tensors packed into one flat byte buffer (16-byte aligned),
   uploaded in chunks of at most ``chunk_bytes`` that may cut a tensor; on the device every tensor
   is a view into the stage's buffer.
@@ -110,16 +115,18 @@ class WeightStore(FrozenWeights):
             ``None`` uploads every tensor in its master's dtype (the true precisions).
         pin_memory: keep shadows in pinned host memory (CUDA), so uploads are asynchronous DMA.
         frozen_weights: ``"fp8"``: hold and upload the frozen matmul weights as fp8 codes with
-            per-output-channel scales, dequantised on the devices (see the module docstring);
-            ``None``: as their upload dtype.
+            per-output-channel scales, dequantised on the devices (see the module docstring); ``"nf4"``: as
+            bitsandbytes NF4 codes with their quantisation state (needs bitsandbytes); ``None``: as their upload
+            dtype. Weights loaded in 4/8 bits by bitsandbytes are held packed in every mode.
 
     Frozen floating-point parameters that would need a shadow (another dtype, pinning, a
     non-contiguous layout) are converted in place at construction (see the module docstring);
     :meth:`restore_frozen` undoes the dtype change.
 
     Raises:
-        ValueError: for a ``frozen_weights`` other than ``None`` and ``"fp8"``, or an fp8 weight
-            holding an infinity or NaN.
+        ValueError: for a ``frozen_weights`` other than ``None``, ``"fp8"`` and ``"nf4"``, an fp8 weight
+            holding an infinity or NaN, or a 4-bit weight bitsandbytes repacked for CPU inference.
+        ImportError: ``frozen_weights="nf4"`` without bitsandbytes.
     """
 
     def __init__(self, layers: Sequence[nn.Module], compute_dtype: torch.dtype | None = None,
