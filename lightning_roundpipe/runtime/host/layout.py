@@ -6,7 +6,7 @@
 - :class:`ResidentStage`: one stage's weights on one device from its first ``LOAD`` chunk to its
   ``DROP``: the typed views, the gradient and buffer pairs, the fp8 and nf4 weights dequantised on first bind,
   and the bitsandbytes weights' device objects.
-- ``_Tensor``: the store's record of one host tensor (master, upload dtype, shadow, fp8 block);
+- ``_Tensor``: the store's record of one host tensor (master, upload dtype, shadow, fp8 or bitsandbytes block);
   ``_padded_bytes``: the bytes it takes in a stage's buffer.
 """
 
@@ -87,7 +87,8 @@ class ResidentStage:
         quantised: per position of an fp8 or ``frozen_weights="nf4"`` weight (whose view holds its codes),
             the call that dequantises it on the device (to its compute dtype).
         dequantised: per such position, the dequantised weight, once a layer using it was bound.
-        states: per position of a loaded ``Linear8bitLt`` weight, its ``MatmulLtState``: the module's ``state`` its replicas bind for this residency (:meth:`layer_attributes`).
+        states: per position of a loaded ``Linear8bitLt`` weight, its ``MatmulLtState``: the module's
+            ``state`` its replicas bind for this residency (:meth:`layer_attributes`).
         nbytes: bytes resident on the device (the stage's buffer; dequantised weights come on top).
     """
 
