@@ -1,4 +1,4 @@
-"""fp8 frozen weights (``frozen_weights="fp8"``, issue 21 item 2): memory and loss on the main job.
+"""fp8 and NF4 frozen weights (``frozen_weights="fp8"``/``"nf4"``, issues 21 and 33): memory and loss on the main job.
 
 1. **Conversion** of SmolLM2-135M + LoRA (the main job's model, fp32 masters, loaded without mmap): the
    weight store converts the frozen base linears one at a time. Printed: the process's resident memory
@@ -9,16 +9,16 @@
    malloc's mmap threshold, at most 32 MiB, go back to the system when freed).
 2. **Training**: the main job (``conf/``: SmolLM2-135M-Instruct, LoRA r=16 on the attention
    projections, Shakespeare, the same seed) on 2 CPU virtual devices under ``bf16-mixed`` for
-   ``--steps`` steps, once with the bf16 base (``frozen_weights=None``) and once with the fp8 base,
-   in this process, one after the other. Printed per run: the logged
+   ``--steps`` steps, once per ``--modes`` entry (default: the bf16 base, ``frozen_weights=None``, the fp8
+   base and the NF4 base), in this process, one after the other. Printed per run: the logged
    ``roundpipe/frozen_matmul_host_bytes_per_param(bytes)``, ``roundpipe/frozen_host_bytes_per_param(bytes)``
    and ``roundpipe/h2d_weights(bytes)`` (mean over the steps after the profiled ones, which run the
    automatic partition), the base linears' share of those bytes (each ``LOAD`` chunk's bytes times its
    stage's base share: exact per ``LOAD``), the step time (same), and the validation loss before and
-   after training; then the fp8/bf16 ratios. The rest of the weight bytes is mostly the tied embedding /
+   after training; then each mode's ratios to bf16. The rest of the weight bytes is mostly the tied embedding /
    LM head, uploaded in fp32 under ``bf16-mixed`` (the embedding reads it in fp32) by every stage using it.
 
-Run: ``python benchmarks/fp8_frozen.py [--steps 20] [--val-blocks 48] [--skip-training]``.
+Run: ``python benchmarks/fp8_frozen.py [--steps 20] [--val-blocks 48] [--modes bf16,fp8,nf4] [--skip-training]``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def base_h2d_bytes(engine) -> float:
         for interval in timeline.intervals:
             if interval.stream == "weights" and interval.kind == "H2D":
                 layout = store.layout(program.plan.stages[interval.stage_index].layers)
-                base = sum(_padded_bytes(store.tensors[k]) for k in layout.tensors if k in store.frozen_matmul)
+                base = sum(_padded_bytes(store.tensors[k]) for k in layout.tensors
+                           if k in store.frozen_matmul or store.tensors[k].packed is not None)
                 total += interval.nbytes * base / layout.total_bytes
     return total
 
@@ -59,7 +60,7 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def conversion_memory() -> None:
+def conversion_memory(mode: str = "fp8") -> None:
     from peft import LoraConfig, get_peft_model
 
     from lightning_roundpipe.adapters import make_layer_sequence
@@ -73,24 +74,25 @@ def conversion_memory() -> None:
     candidates = fp8_candidates(seq.layers)
     weights = [p for p in model.parameters() if id(p) in candidates]
     fp32 = sum(p.numel() * p.element_size() for p in weights)
+    numel = sum(p.numel() for p in weights)  # before the conversion (nf4 packs two parameters a byte)
     rss_before = _status_kib("VmRSS") * 1024
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # resets VmHWM to the current RSS
     started = time.perf_counter()
-    store = WeightStore(seq.layers, torch.bfloat16, frozen_weights="fp8")
+    store = WeightStore(seq.layers, torch.bfloat16, frozen_weights=mode)
     seconds = time.perf_counter() - started
     peak, rss_after = _status_kib("VmHWM") * 1024, _status_kib("VmRSS") * 1024
     blocks = sum(e.block.numel() for e in store.tensors.values() if e.block is not None)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     rss_trimmed = _status_kib("VmRSS") * 1024
     mib = 2**20
-    print(f"conversion: {len(weights)} frozen base linears, {sum(p.numel() for p in weights) / 1e6:.1f}M parameters,"
-          f" fp32 {fp32 / mib:.1f} MiB -> fp8 blocks {blocks / mib:.1f} MiB (codes + scales) in {seconds:.2f} s")
+    print(f"conversion: {len(weights)} frozen base linears, {numel / 1e6:.1f}M parameters,"
+          f" fp32 {fp32 / mib:.1f} MiB -> {mode} blocks {blocks / mib:.1f} MiB (codes + scales) in {seconds:.2f} s")
     print(f"  host RSS before {rss_before / mib:.1f} MiB, after {rss_after / mib:.1f} MiB"
           f" ({(rss_after - rss_before) / mib:+.1f} MiB); peak during the conversion {peak / mib:.1f} MiB"
           f" ({(peak - rss_before) / mib:+.1f} MiB over before; a copy-all-then-free conversion would reach"
           f" +{blocks / mib:.1f} MiB)")
-    print(f"  after malloc_trim(0): RSS {rss_trimmed / mib:.1f} MiB ({(rss_trimmed - rss_before) / mib:+.1f} MiB; fp32 -> fp8"
+    print(f"  after malloc_trim(0): RSS {rss_trimmed / mib:.1f} MiB ({(rss_trimmed - rss_before) / mib:+.1f} MiB; fp32 -> {mode}"
           f" frees {(fp32 - blocks) / mib:.1f} MiB)")
     store.restore_frozen()
 
@@ -141,11 +143,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="training steps of each run (default 20)")
     parser.add_argument("--val-blocks", type=int, default=48, help="validation blocks of 128 tokens (default 48)")
     parser.add_argument("--skip-training", action="store_true", help="the conversion's memory only")
+    parser.add_argument("--modes", default="bf16,fp8,nf4", help="frozen bases to train, comma-separated (default all)")
     args = parser.parse_args()
-    conversion_memory()
+    modes = [None if m == "bf16" else m for m in args.modes.split(",")]
+    for mode in modes:
+        if mode is not None:
+            conversion_memory(mode)
     if args.skip_training:
         return
-    runs = {mode: train(mode, args.steps, args.val_blocks) for mode in (None, "fp8")}
+    runs = {mode: train(mode, args.steps, args.val_blocks) for mode in modes}
     print(f"\nSmolLM2-135M + LoRA r=16, {args.steps} steps, bf16-mixed, 2 CPU virtual devices (means over the steps"
           " after the profiled ones)")
     print(f"{'frozen base':<12} {'B/param base':>12} {'B/param frozen':>14} {'H2D weights/step':>17} {'of it base':>14}"
@@ -153,11 +159,14 @@ def main() -> None:
     for mode, r in runs.items():
         print(f"{mode or 'bf16':<12} {r[KEYS[0]]:>12.3f} {r[KEYS[1]]:>14.3f} {r[KEYS[2]] / 2**20:>13.1f} MiB"
               f" {r[KEYS[4]] / 2**20:>10.1f} MiB {r[KEYS[3]]:>9.2f} {r['val_before']:>11.4f} {r['val_after']:>10.4f}")
-    bf16, fp8 = runs[None], runs["fp8"]
-    print(f"fp8 / bf16: host bytes per base parameter {fp8[KEYS[0]] / bf16[KEYS[0]]:.3f}, H2D weight bytes per step"
-          f" {fp8[KEYS[2]] / bf16[KEYS[2]]:.3f} (the base's {fp8[KEYS[4]] / bf16[KEYS[4]]:.3f}), step time"
-          f" {fp8[KEYS[3]] / bf16[KEYS[3]]:.3f}; validation loss after"
-          f" {fp8['val_after']:.4f} vs {bf16['val_after']:.4f} ({100 * (fp8['val_after'] / bf16['val_after'] - 1):+.2f} %)")
+    bf16 = runs.get(None)
+    for mode, r in runs.items():
+        if mode is None or bf16 is None:
+            continue
+        print(f"{mode} / bf16: host bytes per base parameter {r[KEYS[0]] / bf16[KEYS[0]]:.3f}, H2D weight bytes per step"
+              f" {r[KEYS[2]] / bf16[KEYS[2]]:.3f} (the base's {r[KEYS[4]] / bf16[KEYS[4]]:.3f}), step time"
+              f" {r[KEYS[3]] / bf16[KEYS[3]]:.3f}; validation loss after"
+              f" {r['val_after']:.4f} vs {bf16['val_after']:.4f} ({100 * (r['val_after'] / bf16['val_after'] - 1):+.2f} %)")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ STALENESS_CORRECTIONS = (None, "weight_prediction", "delay_compensation", "gradi
 """Values of :attr:`RoundPipeConfig.staleness_correction` (``"none"`` is read as ``None``)."""
 DEFAULT_STALENESS_LAMBDA = 0.04
 """Default :attr:`RoundPipeConfig.staleness_correction_lambda` (DC-ASGD's variance control, untuned)."""
-FROZEN_WEIGHT_MODES = (None, "fp8")
+FROZEN_WEIGHT_MODES = (None, "fp8", "nf4")
 
 
 def _is_int(value: Any) -> bool:
@@ -314,14 +314,18 @@ class RoundPipeConfig:
     looked up by GPU name (``runtime.flops.PEAK_FLOPS``), no ``roundpipe/mfu(%)`` on CPU."""
 
     frozen_weights: str | None = None
-    """``"fp8"`` or ``None``; default ``None``: frozen matmul weights held and uploaded in the compute dtype
+    """``"fp8"``, ``"nf4"`` or ``None``; default ``None``: frozen matmul weights held and uploaded in the compute dtype
     (bf16 under ``bf16-mixed``), as ever. ``"fp8"``: the frozen matmul weights (2-D ``nn.Linear`` /
     Hugging Face ``Conv1D`` weights with ``requires_grad=False``: a LoRA base's projections) are converted
     once, when the strategy sets up, layer by layer, to fp8 (e4m3) with one fp32 scale per output channel,
     held so on the host (about 1 byte per parameter), uploaded so (half of bf16's bytes) and dequantised
     to the compute dtype on the devices right before use. Norms, embeddings, tied or trainable weights stay
     as they are. Checkpoints leave the fp8 weights out; after the run they hold their fp8-rounded values
-    (docs/usage.md, *fp8 frozen weights*)."""
+    (docs/usage.md, *fp8 frozen weights*). ``"nf4"``: the same weights (``nn.Linear`` ones) quantised once with
+    bitsandbytes' ``quantize_4bit`` (NF4, blocks of 64, double-quantised absmax: about 0.53 bytes per parameter),
+    uploaded packed with their quantisation state and dequantised on the devices by bitsandbytes
+    (``dequantize_4bit``), as ``Linear4bit`` computes; needs ``bitsandbytes`` (the ``qlora`` extra). Weights a
+    model was *loaded* with in 4 or 8 bits (``BitsAndBytesConfig``) are streamed packed whatever this is."""
 
     data_parallel: DataParallel = field(default_factory=DataParallel)
     """:class:`DataParallel` (or a mapping of its fields); default ``DataParallel()``. Data parallelism
@@ -434,10 +438,10 @@ class RoundPipeConfig:
         if self.frozen_weights not in FROZEN_WEIGHT_MODES:
             near = self.frozen_weights.strip().lower() if isinstance(self.frozen_weights, str) else None
             hint = (f"use {near!r} (lowercase)" if near is not None and near in FROZEN_WEIGHT_MODES else
-                    "'fp8' holds the frozen matmul weights (a LoRA base) in fp8 with per-channel scales; None (the"
-                    " default) keeps them in the compute dtype")
+                    "'fp8' holds the frozen matmul weights (a LoRA base) in fp8 with per-channel scales, 'nf4' in"
+                    " bitsandbytes' 4-bit NormalFloat; None (the default) keeps them in the compute dtype")
             raise ValueError(f"`frozen_weights` must be one of {list(FROZEN_WEIGHT_MODES)}, got {self.frozen_weights!r}."
-                             f" HINT: {hint}; from the command line `strategy.frozen_weights=fp8` or `=null`.")
+                             f" HINT: {hint}; from the command line `strategy.frozen_weights=fp8`, `=nf4` or `=null`.")
 
         data_parallel = self.data_parallel
         if isinstance(data_parallel, Mapping):  # e.g. a dict or a Hydra DictConfig

@@ -259,7 +259,7 @@ def test_conversion_is_announced_once_across_fit_and_validate(caplog):
 
 @pytest.mark.parametrize("value,hint", [("fp16", "'fp8' holds the frozen"), ("FP8", "use 'fp8'"), (8, "'fp8' holds")])
 def test_invalid_frozen_weights(value, hint):
-    with pytest.raises(ValueError, match=r"`frozen_weights` must be one of \[None, 'fp8'\]") as error:
+    with pytest.raises(ValueError, match=r"`frozen_weights` must be one of \[None, 'fp8', 'nf4'\]") as error:
         lightning_roundpipe.RoundPipeStrategy(frozen_weights=value)
     assert hint in str(error.value) and "strategy.frozen_weights=fp8" in str(error.value)
     from lightning_roundpipe.runtime.host.store import WeightStore

@@ -85,6 +85,7 @@ class FrozenFp8:
     """
 
     def __init__(self) -> None:
+        self._mode = "fp8"  # the conversion of the last setup (for the after-run warning)
         self.names: frozenset[str] = frozenset()
         self.restored_names: frozenset[str] = frozenset()
         self._hook: _WarnWhenSaved | None = None
@@ -93,40 +94,66 @@ class FrozenFp8:
 
     # ------------------------------------------------------------------ setup / teardown
     def setup(self, store: Any, lightning_module: nn.Module, target: nn.Module) -> None:
-        """After the engine (its weight store) converted the weights: record the converted keys, announce
-        the conversion (or warn that nothing was converted) and drop an earlier fp8 run's after-run
-        warnings (this run's come at its teardown)."""
+        """After the engine (its weight store) converted the weights: record the converted keys and those of
+        the weights loaded in 4/8 bits by bitsandbytes, announce the conversion (or warn that nothing was
+        converted) and drop an earlier run's after-run warnings (this run's come at its teardown)."""
         self._hook, self._owners = None, []
-        if store.frozen_weights != "fp8":
-            self.names = frozenset()
+        mode = store.frozen_weights
+        loaded = [e for e in store.tensors.values() if e.packed is not None and not e.packed.converted]
+        loaded_names = _loaded_keys(lightning_module, {id(e.master) for e in loaded})
+        if loaded:
+            self._announce_loaded(loaded)
+        if mode not in ("fp8", "nf4"):
+            self.names = loaded_names
             return
+        self._mode = mode
         remove_save_warnings(lightning_module)
-        converted = [entry for entry in store.tensors.values() if entry.scale is not None]
+        converted = [e for e in store.tensors.values()
+                     if e.scale is not None or (e.packed is not None and e.packed.converted)]
         ids = {id(entry.master) for entry in converted}
-        self.names = frozenset(n for n, p in lightning_module.named_parameters(remove_duplicate=False) if id(p) in ids)
+        self.names = loaded_names | frozenset(
+            n for n, p in lightning_module.named_parameters(remove_duplicate=False) if id(p) in ids)
         self._owners = [m for m in lightning_module.modules()
                         if any(p is not None and id(p) in ids for p in m._parameters.values())]
         if not converted:
+            already = (f" ({len(loaded)} frozen matmul weights are held in 4/8 bits by bitsandbytes already and are"
+                       " streamed packed as they are)") if loaded else ""
             rank_zero_warn(
-                f"RoundPipe: `frozen_weights='fp8'` converted nothing: the pipelined `{type(target).__name__}` has no"
+                f"RoundPipe: `frozen_weights='{mode}'` converted nothing{already}: the pipelined"
+                f" `{type(target).__name__}` has no"
                 " frozen matmul weight (a 2-D `nn.Linear` or Hugging Face `Conv1D` weight with `requires_grad=False`"
                 f" that no other kind of module uses). Its frozen parameters: {describe_frozen(store.layers)}. The run"
                 " goes on as with `frozen_weights=None`. HINT: freeze the base model before `fit` (`model.requires_grad_"
                 "(False)`, then add the adapters, e.g. PEFT's `get_peft_model`), or leave `frozen_weights` unset.")
             return
-        numel = sum(e.master.numel() for e in converted)
-        before = sum(e.master.numel() * e.original_dtype.itemsize for e in converted)
+        numel = sum(_numel(e) for e in converted)
+        before = sum(_numel(e) * e.original_dtype.itemsize for e in converted)
         after = sum(e.block.numel() for e in converted)
         original = sorted({_dtype_name(e.original_dtype) for e in converted})
         dequantised = sorted({_dtype_name(e.dequant_dtype) for e in converted})
+        held = ("float8_e4m3fn with one fp32 scale per output channel" if mode == "fp8" else
+                "bitsandbytes NF4 codes (blocks of 64, double-quantised absmax)")
         message = (
-            f"RoundPipe: frozen_weights='fp8': {len(converted)} frozen matmul weights ({numel / 1e6:.2f}M parameters)"
-            f" are held on the host as float8_e4m3fn with one fp32 scale per output channel ({after / 2**20:.2f} MiB,"
+            f"RoundPipe: frozen_weights='{mode}': {len(converted)} frozen matmul weights ({numel / 1e6:.2f}M parameters)"
+            f" are held on the host as {held} ({after / 2**20:.2f} MiB,"
             f" {after / numel:.3f} bytes per parameter, instead of {before / 2**20:.2f} MiB in {'/'.join(original)}),"
             f" uploaded so and dequantised to {'/'.join(dequantised)} on the devices. Checkpoints leave them out (the"
-            " base comes from its own files); when the strategy tears down they get their dtype back with fp8-rounded"
+            f" base comes from its own files); when the strategy tears down they get their dtype back with {mode}-rounded"
             " values.")
         if message != self._announced:  # a later `validate`/`test` of the same model sets up again: said once
+            self._announced = message
+            rank_zero_info(message)
+
+    def _announce_loaded(self, loaded: list) -> None:
+        numel = sum(_numel(e) for e in loaded)
+        held = sum(e.block.numel() for e in loaded)
+        kinds = sorted({e.packed.meta.get("quant_type", "int8") for e in loaded})
+        message = (
+            f"RoundPipe: {len(loaded)} frozen matmul weights ({numel / 1e6:.2f}M parameters) loaded by bitsandbytes in"
+            f" {'/'.join(kinds)} are held on the host packed with their quantisation state ({held / 2**20:.2f} MiB,"
+            f" {held / numel:.3f} bytes per parameter), uploaded so and computed by bitsandbytes' kernels on the"
+            " devices. Checkpoints leave them out (the base comes from its own files); their values do not change.")
+        if message != self._announced:
             self._announced = message
             rank_zero_info(message)
 
@@ -135,8 +162,8 @@ class FrozenFp8:
         if not self._owners:
             return
         self._hook = _WarnWhenSaved(
-            f"RoundPipe ran with `frozen_weights='fp8'`: {len(self.names)} frozen matmul weights of this model hold"
-            " fp8-rounded values now (dequantised back to their dtype when the strategy tore down), not the original"
+            f"RoundPipe ran with `frozen_weights='{self._mode}'`: {len(self._owners)} frozen matmul weights of this model"
+            f" hold {self._mode}-rounded values now (dequantised back to their dtype when the strategy tore down), not the original"
             " weights, and a state dict taken now (`torch.save(model.state_dict())`, a full `save_pretrained`, a"
             " checkpoint of another strategy) saves those values. Saving only a PEFT adapter is unaffected. HINT:"
             " re-load the original base weights before saving the whole model: load the base model from its files"
@@ -200,6 +227,27 @@ class FrozenFp8:
                                + f"\n(The checkpoint leaves out {len(self.restored_names)} fp8 frozen weights, which"
                                " keep the model's values; only they may be missing.)")
         return True
+
+
+def _numel(entry: Any) -> int:
+    """Parameters of a weight store entry (a packed weight's logical shape, not its codes')."""
+    return entry.packed.numel if entry.packed is not None else entry.master.numel()
+
+
+def _loaded_keys(module: nn.Module, ids: set[int]) -> frozenset[str]:
+    """The ``state_dict`` keys of the bitsandbytes modules of ``module`` whose ``weight`` is in ``ids``: the weight
+    and its quantisation state (``weight.absmax``, ``weight.quant_map``, ``weight.quant_state.bitsandbytes__nf4``,
+    ``SCB``, ``weight_format``...)."""
+    if not ids:
+        return frozenset()
+    keys = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        if id(sub._parameters.get("weight")) not in ids:
+            continue
+        for key in sub.state_dict(keep_vars=True):
+            if key == "weight" or key.startswith("weight.") or key in ("SCB", "weight_format"):
+                keys.add(f"{prefix}.{key}" if prefix else key)
+    return frozenset(keys)
 
 
 def remove_save_warnings(module: nn.Module) -> int:

@@ -130,8 +130,9 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             ``"async"``), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
             timeline PNG every N batches into ``<trainer.log_dir>/roundpipe/`` and W&B, with a logger; 0: off),
             ``peak_flops`` (device peak FLOP/s for ``roundpipe/mfu(%)``; looked up by GPU name),
-            ``frozen_weights`` (``"fp8"``: the frozen matmul weights, a LoRA base, held and uploaded in fp8;
-            :mod:`~lightning_roundpipe.integration.frozen_fp8`),
+            ``frozen_weights`` (``"fp8"`` / ``"nf4"``: the frozen matmul weights, a LoRA base, held and uploaded in
+            fp8 / bitsandbytes NF4; :mod:`~lightning_roundpipe.integration.frozen_fp8`; a base loaded in 4/8 bits by
+            bitsandbytes is streamed packed whatever this is),
             ``data_parallel`` (:class:`~lightning_roundpipe.DataParallel`: the data parallelism across
             nodes, ``Trainer(num_nodes=N)`` with one process per node; ignored with one node).
         config: a :class:`~lightning_roundpipe.RoundPipeConfig` instead of those keyword arguments

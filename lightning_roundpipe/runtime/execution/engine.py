@@ -71,7 +71,7 @@ class RoundPipeEngine(HostCalls):
         cpu_link_bytes_per_s: CPU virtual devices: modelled host link rate per direction, bytes/s
             (``None``: unthrottled copies).
         check_streams: CPU virtual devices: the stream checking mode (``None``: the environment variable).
-        frozen_weights: ``"fp8"``: frozen matmul weights held and uploaded in fp8 (:class:`WeightStore`).
+        frozen_weights: ``"fp8"`` / ``"nf4"``: frozen matmul weights held and uploaded in fp8 / NF4 (:class:`WeightStore`).
         debug_copy_delay_s: CPU virtual devices, debugging: every copy lands this many seconds late
             (its destination holds NaN meanwhile), so a missing dependency gives a wrong result.
         device_memory_bytes: memory budget of each device, bytes: enforced on CPU virtual devices

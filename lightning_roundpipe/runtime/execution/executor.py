@@ -382,7 +382,7 @@ class Executor(TransferOps, ResidencyOps):
         try:
             with backend.op_scope(stream, f"stage {op.stage_index}, {op}"), deferred:
                 run.nbytes[op] = self._dispatch[op.kind](backend, op, run) or 0
-                if stream == "compute" and self.store.fp8_weights and op in last_compute_ops(run.program):
+                if stream == "compute" and self.store.dequantised_weights and op in last_compute_ops(run.program):
                     self._release_dequantised(backend, op, run)
         except _Aborted:
             return
@@ -439,7 +439,7 @@ class Executor(TransferOps, ResidencyOps):
         for li in layers:
             if on_boundary is not None and li != layers.start and li in state.keep:
                 on_boundary(li, carry)
-            module = replicas[li].bind(resident.layer_tensors(li))
+            module = replicas[li].bind(resident.layer_tensors(li), resident.layer_attributes(li))
             seed = layer_seed(state.base_seed, li, mb) if li in state.rng_layers else None
             if prof is not None:
                 prof.record_activation(li, tree_nbytes(carry))

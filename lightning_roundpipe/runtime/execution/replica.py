@@ -28,6 +28,9 @@ class LayerReplica:
     def __init__(self, layer: nn.Module) -> None:
         self.pairs: list[tuple[nn.Module, nn.Module]] = []
         self.module = self._copy(layer, {})
+        self._originals = {id(copy): original for original, copy in self.pairs}
+        self.bound_attributes: set[tuple[int, str]] = set()
+        """``(id(replica module), name)`` of the plain attributes :meth:`bind` sets (not the layer's to follow)."""
         # bind (compute thread) and unbind (the DROP on the d2h thread) of one device's replica: an
         # unbind must never undo a bind of another stage made between its check and its write
         self._lock = threading.Lock()
@@ -57,8 +60,10 @@ class LayerReplica:
             module = module._modules[part]
         return module
 
-    def bind(self, tensors: dict[str, "object"]) -> nn.Module:
-        """Point the replica's parameters and buffers at ``tensors`` (``{qualified name: tensor}``)
+    def bind(self, tensors: dict[str, "object"], attributes: dict[str, "object"] | None = None) -> nn.Module:
+        """Point the replica's parameters and buffers at ``tensors`` (``{qualified name: tensor}``),
+        set the plain ``attributes`` (``{qualified name: value}``: per-residency objects a module's forward
+        reads with its weights, e.g. a bitsandbytes ``Linear8bitLt``'s ``state``) on the replica's modules,
         and copy the training flags; returns the replica module to call."""
         for original, copy in self.pairs:
             copy.training = original.training
@@ -66,18 +71,29 @@ class LayerReplica:
             for name, tensor in tensors.items():
                 module, leaf, is_param, _ = self._slots[name]
                 (module._parameters if is_param else module._buffers)[leaf] = tensor
+            for name, value in (attributes or {}).items():
+                prefix, _, leaf = name.rpartition(".")
+                copy = self._find(prefix)
+                copy.__dict__[leaf] = value
+                self.bound_attributes.add((id(copy), leaf))
         return self.module
 
-    def unbind(self, tensors: dict[str, "object"]) -> None:
-        """Point the slots still bound to ``tensors`` back at the original module's parameters and
-        buffers (host memory), so a dropped stage's device buffer is freed at its ``DROP``: a replica
-        must not keep it alive until the layer's next stage on this device."""
+    def unbind(self, tensors: dict[str, "object"], attributes: dict[str, "object"] | None = None) -> None:
+        """Point the slots still bound to ``tensors`` (and the ``attributes`` still set to those values)
+        back at the original module's parameters, buffers and attributes (host memory), so a dropped
+        stage's device buffer is freed at its ``DROP``: a replica must not keep it alive until the
+        layer's next stage on this device."""
         with self._lock:
             for name, tensor in tensors.items():
                 module, leaf, is_param, original = self._slots[name]
                 table = module._parameters if is_param else module._buffers
                 if table.get(leaf) is tensor:
                     table[leaf] = (original._parameters if is_param else original._buffers)[leaf]
+            for name, value in (attributes or {}).items():
+                prefix, _, leaf = name.rpartition(".")
+                copy = self._find(prefix)
+                if copy.__dict__.get(leaf) is value:
+                    copy.__dict__[leaf] = self._originals[id(copy)].__dict__.get(leaf)
 
     def unbind_all(self) -> None:
         """Point every slot back at the original module's tensors (after a failed program, whose
@@ -86,6 +102,10 @@ class LayerReplica:
             for module, leaf, is_param, original in self._slots.values():
                 (module._parameters if is_param else module._buffers)[leaf] = \
                     (original._parameters if is_param else original._buffers)[leaf]
+            for original, copy in self.pairs:
+                for key, leaf in self.bound_attributes:
+                    if key == id(copy):
+                        copy.__dict__[leaf] = original.__dict__.get(leaf)
 
 
 #: module attributes the replica manages itself (its own tensor tables, the training flag bind copies)
@@ -120,6 +140,8 @@ def diverged_attributes(replicas: "list[list[LayerReplica]]",
             for original, copy in replica.pairs:
                 mine, theirs = original.__dict__, copy.__dict__
                 for key in sorted((mine.keys() | theirs.keys()) - _OWN_ATTRIBUTES):
+                    if (id(copy), key) in replica.bound_attributes:
+                        continue
                     if (id(original), key) not in pending and not _same(mine.get(key, _MISSING), theirs.get(key, _MISSING)):
                         found.setdefault((id(original), key), (original, key))
     return list(found.values())

@@ -63,7 +63,7 @@ class ResidencyOps:
             self._write_back(backend, op, run, saved, lambda host: run.write_backs.extend(zip(masters, host)))
         replicas = self.replicas[backend.device_index]
         for li in spec.layers:  # the replicas must not keep the dropped buffer alive
-            replicas[li].unbind(resident.layer_tensors(li))
+            replicas[li].unbind(resident.layer_tensors(li), resident.layer_attributes(li))
         # the buffers' own copies (made on the weights stream, read by compute, downloaded above) go
         # back to the allocator once this op's stream has passed them (CUDA; no record_stream)
         backend.release_after([view for _, view in resident.buffer_pairs], "d2h")
@@ -80,7 +80,7 @@ class ResidencyOps:
             return
         replicas = self.replicas[backend.device_index]
         for li in run.plan.stages[op.stage_index].layers:
-            replicas[li].unbind(resident.layer_tensors(li))
+            replicas[li].unbind(resident.layer_tensors(li), resident.layer_attributes(li))
         resident.release_dequantised()
 
 

@@ -4,18 +4,20 @@
 - :class:`StageLayout`: a stage's unique tensors packed into one flat byte buffer, each at a
   16-byte-aligned offset (bytes); on the device every tensor is a view into the stage's buffer.
 - :class:`ResidentStage`: one stage's weights on one device from its first ``LOAD`` chunk to its
-  ``DROP``: the typed views, the gradient and buffer pairs, and the fp8 weights dequantised on first bind.
-- ``_Tensor``: the store's record of one host tensor (master, upload dtype, shadow, fp8 block);
+  ``DROP``: the typed views, the gradient and buffer pairs, the fp8 and nf4 weights dequantised on first bind,
+  and the bitsandbytes weights' device objects.
+- ``_Tensor``: the store's record of one host tensor (master, upload dtype, shadow, fp8 or bitsandbytes block);
   ``_padded_bytes``: the bytes it takes in a stage's buffer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
-from lightning_roundpipe.runtime.host import fp8
+from lightning_roundpipe.runtime.host.bnb import PackedWeight
 from lightning_roundpipe.runtime.host.grads import GradAccumulator
 
 _ALIGN = 16
@@ -43,6 +45,8 @@ class _Tensor:
     scale: torch.Tensor | None = None
     channel_dim: int = 0
     dequant_dtype: torch.dtype | None = None
+    # bitsandbytes weight (loaded in 4/8 bits, or converted by frozen_weights="nf4"): its pieces in `block`
+    packed: PackedWeight | None = None
     persistent: bool = True  # a buffer in its module's state_dict (non-persistent: derived, never written back)
 
 
@@ -80,9 +84,11 @@ class ResidentStage:
             statistics; non-persistent ones such as rotary ``inv_freq`` are derived and stay on the host).
         accumulator: fp32 sum over microbatches of the gradients of the ``grad_pairs`` whose view is
             narrower than fp32 (``None`` when there are none: their ``view.grad`` is read directly).
-        quantised: per position of an fp8 weight (whose view holds its codes), its scales' view and
-            the dtype it is dequantised to.
+        quantised: per position of an fp8 or ``frozen_weights="nf4"`` weight (whose view holds its codes),
+            the call that dequantises it on the device (to its compute dtype).
         dequantised: per such position, the dequantised weight, once a layer using it was bound.
+        states: per position of a loaded ``Linear8bitLt`` weight, its ``MatmulLtState``: the module's
+            ``state`` its replicas bind for this residency (:meth:`layer_attributes`).
         nbytes: bytes resident on the device (the stage's buffer; dequantised weights come on top).
     """
 
@@ -92,8 +98,9 @@ class ResidentStage:
     grad_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     buffer_pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     accumulator: GradAccumulator | None = None
-    quantised: dict[int, tuple[torch.Tensor, torch.dtype]] = field(default_factory=dict)
+    quantised: dict[int, Callable[[], torch.Tensor]] = field(default_factory=dict)
     dequantised: dict[int, torch.Tensor] = field(default_factory=dict)
+    states: dict[int, Any] = field(default_factory=dict)
     saved_buffers: list[bool] = field(default_factory=list)
     released: bool = False  # the dequantised weights were freed after the stage's last compute op
 
@@ -122,7 +129,19 @@ class ResidentStage:
             if k in self.quantised and not self.released:
                 tensor = self.dequantised.get(k)
                 if tensor is None:
-                    scale, dtype = self.quantised[k]
-                    tensor = self.dequantised[k] = fp8.dequantise(self.views[k], scale, dtype)
+                    tensor = self.dequantised[k] = self.quantised[k]()
             out[name] = tensor
+        return out
+
+    def layer_attributes(self, layer_index: int) -> dict[str, Any]:
+        """``{qualified attribute name: value}`` the replica of layer ``layer_index`` binds besides its
+        tensors: the ``state`` (``MatmulLtState``) of each loaded ``Linear8bitLt``, whose ``CB``/``SCB`` are
+        this residency's device views ({} for every other layer)."""
+        if not self.states:
+            return {}
+        out = {}
+        for name, k in self.layout.names[layer_index]:
+            if k in self.states:
+                prefix = name.rpartition(".")[0]
+                out[f"{prefix}.state" if prefix else "state"] = self.states[k]
         return out

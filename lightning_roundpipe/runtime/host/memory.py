@@ -138,11 +138,12 @@ def host_memory(store: WeightStore, optimizers: Iterable[torch.optim.Optimizer] 
             continue
         group = groups[bool(master.requires_grad)]
         nbytes = entry.block.numel() if entry.block is not None else _nbytes(master)
-        group["num_params"] += master.numel()
+        numel = entry.packed.numel if entry.packed is not None else master.numel()  # a packed weight's parameters
+        group["num_params"] += numel
         group["master_bytes"] += nbytes
         group["shadow_bytes"] += _nbytes(shadow) if separate else 0
-        if key in store.frozen_matmul:
-            matmul["num_params"] += master.numel()
+        if key in store.frozen_matmul or entry.packed is not None:
+            matmul["num_params"] += numel
             matmul["master_bytes"] += nbytes
             matmul["shadow_bytes"] += _nbytes(shadow) if separate else 0
         grad = master.grad  # read once

@@ -33,6 +33,11 @@
   when its layer first binds in that residency, kept until the ``DROP``. :meth:`WeightStore.restore_frozen`
   gives back the original dtype with the fp8-rounded values; :meth:`WeightStore.host_weights` lends
   dequantised copies to un-pipelined host calls.
+- **bitsandbytes weights** (:mod:`~lightning_roundpipe.runtime.host.bnb`): a weight loaded in 4/8 bits
+  (``Linear4bit``/``Linear8bitLt``) is held as one host block with its whole quantisation state (the module's
+  tensors become views of it, same values) and each device binds a ``Params4bit``/``Int8Params`` of views of
+  its upload, so bitsandbytes' kernels compute on the device; with ``frozen_weights="nf4"`` the frozen
+  ``nn.Linear`` weights are quantised so at construction and dequantised on bind as the fp8 ones.
 - **Stage layout**: a stage's unique tensors packed into one flat byte buffer (16-byte aligned),
   uploaded in chunks of at most ``chunk_bytes`` that may cut a tensor; on the device every tensor
   is a view into the stage's buffer.
@@ -46,6 +51,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Iterable, Sequence
 
@@ -53,13 +59,13 @@ import torch
 from torch import nn
 
 from lightning_roundpipe.partition.profile import SharedWeight
-from lightning_roundpipe.runtime.host import fp8
+from lightning_roundpipe.runtime.host import bnb, fp8
 from lightning_roundpipe.runtime.host.frozen import FrozenWeights
 from lightning_roundpipe.runtime.host.grads import GradAccumulator, download_bytes, needs_fp32_accumulation
 from lightning_roundpipe.runtime.host.layout import ResidentStage, StageLayout, _padded_bytes, _Tensor
 from lightning_roundpipe.runtime.host.pinned import is_pinned, pinned_empty
 
-FROZEN_WEIGHT_MODES = (None, "fp8")
+FROZEN_WEIGHT_MODES = (None, "fp8", "nf4")
 """Valid ``frozen_weights`` of :class:`WeightStore` (``RoundPipeConfig.frozen_weights``)."""
 
 #: modules whose ``weight`` is an operand of a matrix multiply or convolution that ``torch.autocast``
@@ -109,23 +115,26 @@ class WeightStore(FrozenWeights):
             ``None`` uploads every tensor in its master's dtype (the true precisions).
         pin_memory: keep shadows in pinned host memory (CUDA), so uploads are asynchronous DMA.
         frozen_weights: ``"fp8"``: hold and upload the frozen matmul weights as fp8 codes with
-            per-output-channel scales, dequantised on the devices (see the module docstring);
-            ``None``: as their upload dtype.
+            per-output-channel scales, dequantised on the devices (see the module docstring); ``"nf4"``: as
+            bitsandbytes NF4 codes with their quantisation state (needs bitsandbytes); ``None``: as their upload
+            dtype. Weights loaded in 4/8 bits by bitsandbytes are held packed in every mode.
 
     Frozen floating-point parameters that would need a shadow (another dtype, pinning, a
     non-contiguous layout) are converted in place at construction (see the module docstring);
     :meth:`restore_frozen` undoes the dtype change.
 
     Raises:
-        ValueError: for a ``frozen_weights`` other than ``None`` and ``"fp8"``, or an fp8 weight
-            holding an infinity or NaN.
+        ValueError: for a ``frozen_weights`` other than ``None``, ``"fp8"`` and ``"nf4"``, an fp8 weight
+            holding an infinity or NaN, or a 4-bit weight bitsandbytes repacked for CPU inference.
+        ImportError: ``frozen_weights="nf4"`` without bitsandbytes.
     """
 
     def __init__(self, layers: Sequence[nn.Module], compute_dtype: torch.dtype | None = None,
                  pin_memory: bool = False, frozen_weights: str | None = None) -> None:
         if frozen_weights not in FROZEN_WEIGHT_MODES:
             raise ValueError(f"`frozen_weights` must be one of {list(FROZEN_WEIGHT_MODES)}, got {frozen_weights!r}."
-                             " HINT: 'fp8' holds the frozen matmul weights (a LoRA base) in fp8 with per-channel scales.")
+                             " HINT: 'fp8' holds the frozen matmul weights (a LoRA base) in fp8 with per-channel scales,"
+                             " 'nf4' in bitsandbytes' 4-bit NormalFloat.")
         self.layers = list(layers)
         self.compute_dtype = compute_dtype
         self.pin_memory = pin_memory
@@ -147,6 +156,9 @@ class WeightStore(FrozenWeights):
         self.entries: list[list[tuple[str, int]]] = []
         in_compute_dtype = autocast_cast_weights(self.layers) if compute_dtype is not None else set()
         in_fp8 = self.frozen_matmul if frozen_weights == "fp8" else {}
+        in_nf4 = self.frozen_matmul if frozen_weights == "nf4" else {}
+        if in_nf4:
+            bnb.require_bnb('`frozen_weights="nf4"`')
         for index, layer in enumerate(self.layers):
             entries = []
             named = [(n, p, True) for n, p in layer.named_parameters(remove_duplicate=False)]
@@ -161,8 +173,14 @@ class WeightStore(FrozenWeights):
                     dtype = compute_dtype if half else tensor.dtype
                     self.tensors[key] = entry = _Tensor(tensor, is_param, dtype, persistent=persistent)
                     try:
-                        if key in in_fp8:
+                        owner, _, leaf = name.rpartition(".")
+                        kind = bnb.packed_kind(layer.get_submodule(owner), leaf, tensor) if is_param else None
+                        if kind is not None:
+                            self._hold_loaded_packed(entry, layer.get_submodule(owner), kind)
+                        elif key in in_fp8:
                             self._hold_frozen_in_fp8(entry, in_fp8[key], f"`{name}` of layer {index}")
+                        elif key in in_nf4 and in_nf4[key] == 0:  # an nn.Linear weight (out, in)
+                            self._hold_frozen_in_nf4(entry)
                         else:
                             self._hold_frozen_in_compute_dtype(entry)
                     except BaseException:  # the parameters converted so far get their dtype back (values rounded)
@@ -406,13 +424,25 @@ class WeightStore(FrozenWeights):
         get a :class:`~lightning_roundpipe.runtime.host.grads.GradAccumulator`, summing into
         ``accumulator_buffer`` (``uint8``, at least :meth:`accumulator_numel` fp32 elements: a slot of
         the device's accumulator pool; ``None``: allocated at the first gradient)."""
-        views, grad_pairs, buffer_pairs, saved, quantised = [], [], [], [], {}
+        views, grad_pairs, buffer_pairs, saved, quantised, states = [], [], [], [], {}, {}
         for key, offset in zip(layout.tensors, layout.offsets):
             entry = self.tensors[key]
+            if entry.packed is not None:  # bitsandbytes codes with their whole quantisation state
+                pieces = bnb.split(buffer[offset:offset + entry.block.numel()], entry.packed.pieces)
+                if entry.packed.converted:  # frozen_weights="nf4": dequantised when a layer binds it
+                    quantised[len(views)] = functools.partial(bnb.dequantise_nf4, pieces, entry.packed,
+                                                              entry.dequant_dtype)
+                    views.append(pieces["data"])
+                else:  # loaded in 4/8 bits: the module computes with bitsandbytes' kernels on these views
+                    weight, lt_state = bnb.device_weight(pieces, entry.packed)
+                    if lt_state is not None:
+                        states[len(views)] = lt_state
+                    views.append(weight)
+                continue
             if entry.block is not None:  # fp8 codes and scales, dequantised when a layer binds them
                 view, scale = fp8.split_block(buffer[offset:offset + entry.block.numel()], entry.master.shape,
                                               entry.channel_dim)
-                quantised[len(views)] = (scale, entry.dequant_dtype)
+                quantised[len(views)] = functools.partial(fp8.dequantise, view, scale, entry.dequant_dtype)
                 views.append(view)
                 continue
             nbytes = entry.master.numel() * entry.dtype.itemsize
@@ -427,7 +457,7 @@ class WeightStore(FrozenWeights):
         low = [(master, view) for master, view in grad_pairs if needs_fp32_accumulation(view.dtype)]
         accumulator = GradAccumulator(low, accumulator_buffer) if low else None
         return ResidentStage(layout, buffer, views, grad_pairs, buffer_pairs, accumulator, quantised,
-                             saved_buffers=saved)
+                             saved_buffers=saved, states=states)
 
     @staticmethod
     def own_buffers(resident: ResidentStage) -> None:
