@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 import lightning_roundpipe
-from lightning_roundpipe.integration.strategy import stage_memory_bytes
+from lightning_roundpipe.runtime.backends import stage_memory_bytes
 from _helpers import CausalLMModule, TokenData, loader, tiny_hf, trainer
 
 

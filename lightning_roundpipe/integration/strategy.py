@@ -36,7 +36,7 @@ from lightning_roundpipe.integration.precision import RoundPipePrecision, frozen
 from lightning_roundpipe.partition.types import PartitionPlan
 from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
 from lightning_roundpipe.runtime.execution.replica import diverged_attributes
-from lightning_roundpipe.runtime.backends import smallest_stage_budget
+from lightning_roundpipe.runtime.backends import stage_memory_bytes
 from lightning_roundpipe.runtime.tuning.autopartition import describe_rounds, follow_profiles
 from lightning_roundpipe.runtime.tuning.mixed import configure_devices, describe_devices
 from lightning_roundpipe.runtime.tuning.plan_state import CHECKPOINT_KEY, plan_state, restore_plan_state
@@ -59,28 +59,6 @@ def format_stage_table(stages: Sequence[Any], layer_names: Sequence[str]) -> str
         kind = "fused" if stage.fused else stage.kind
         rows.append(f"  {stage.stage_index:5d}  {kind:8s}  {first:>3d}..{last:<3d}  {label}")
     return "\n".join(rows)
-
-
-def stage_memory_bytes(devices: Sequence[torch.device], device_memory_bytes: int | Sequence[int] | None) -> int | None:
-    """The memory budget of one stage on one worker: half of a device's memory (double buffering: the
-    next stage is prefetched). ``device_memory_bytes`` (one worker's memory; with one per worker, the
-    smallest) when given; else, on GPUs, the first GPU's measured usable memory
-    (:func:`~lightning_roundpipe.runtime.backends.cuda.usable_device_bytes`: free memory less a margin,
-    not ``total_memory``) shared by the logical workers on one GPU
-    (``parallel_devices=[torch.device("cuda:0")] * 4``: four workers with their own streams on one
-    GPU; the most crowded GPU counts); ``None`` on CPU virtual devices without a budget."""
-    if device_memory_bytes is not None:
-        return smallest_stage_budget(device_memory_bytes)
-    first = torch.device(devices[0])
-    if first.type != "cuda":
-        return None
-    counts: dict[int, int] = {}
-    for d in map(torch.device, devices):
-        index = d.index if d.index is not None else torch.cuda.current_device()
-        counts[index] = counts.get(index, 0) + 1
-    from lightning_roundpipe.runtime.backends.cuda import usable_device_bytes
-
-    return usable_device_bytes(first) // (2 * max(counts.values()))
 
 
 def _make_config(config: RoundPipeConfig | None, given: dict[str, Any]) -> RoundPipeConfig:

@@ -14,7 +14,8 @@ from lightning_roundpipe.runtime.backends.checker import StreamChecker, StreamCh
 from lightning_roundpipe.runtime.backends.cpu import CpuBackend, Link
 
 __all__ = ["Backend", "CpuBackend", "DeviceMemoryError", "DeviceMemoryLedger", "Link", "StreamCheckError",
-           "StreamChecker", "make_backends", "per_device_bytes", "smallest_stage_budget", "step_memory_peaks", "tree_nbytes"]
+           "StreamChecker", "make_backends", "per_device_bytes", "smallest_stage_budget", "stage_memory_bytes", "step_memory_peaks",
+           "tree_nbytes"]
 
 
 def step_memory_peaks(backends: Sequence[Backend]) -> list[int] | None:
@@ -141,3 +142,25 @@ def make_backends(devices: Sequence[torch.device], cpu_link_bytes_per_s: float |
         f"RoundPipe does not support accelerator `{kind}` yet; supported: 'cuda' (GPUs) and 'cpu' (CPU virtual devices)."
         " HINT: use `Trainer(accelerator='cuda')` or `Trainer(accelerator='cpu', devices=N)`."
     )
+
+
+def stage_memory_bytes(devices: Sequence[torch.device], device_memory_bytes: int | Sequence[int] | None) -> int | None:
+    """The memory budget of one stage on one worker: half of a device's memory (double buffering: the
+    next stage is prefetched). ``device_memory_bytes`` (one worker's memory; with one per worker, the
+    smallest) when given; else, on GPUs, the first GPU's measured usable memory
+    (:func:`~lightning_roundpipe.runtime.backends.cuda.usable_device_bytes`: free memory less a margin,
+    not ``total_memory``) shared by the logical workers on one GPU
+    (``parallel_devices=[torch.device("cuda:0")] * 4``: four workers with their own streams on one
+    GPU; the most crowded GPU counts); ``None`` on CPU virtual devices without a budget."""
+    if device_memory_bytes is not None:
+        return smallest_stage_budget(device_memory_bytes)
+    first = torch.device(devices[0])
+    if first.type != "cuda":
+        return None
+    counts: dict[int, int] = {}
+    for d in map(torch.device, devices):
+        index = d.index if d.index is not None else torch.cuda.current_device()
+        counts[index] = counts.get(index, 0) + 1
+    from lightning_roundpipe.runtime.backends.cuda import usable_device_bytes
+
+    return usable_device_bytes(first) // (2 * max(counts.values()))
