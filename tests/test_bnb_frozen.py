@@ -71,8 +71,15 @@ def _lora(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters() if "lora_" in n}
 
 
+_SLOW = pytest.mark.slow  # the rest of the model x quantisation x device-count matrix
+
+
 @pytest.mark.parametrize("kind,quant,devices", [("llama", "nf4-dq", 2), ("qwen3", "nf4-dq", 3), ("llama", "fp4", 3),
-                                                ("llama", "int8", 3), ("qwen3", "int8", 2)])
+                                                ("llama", "int8", 3), ("qwen3", "int8", 2),
+                                                pytest.param("llama", "nf4-dq", 3, marks=_SLOW),
+                                                pytest.param("qwen3", "nf4-dq", 2, marks=_SLOW),
+                                                pytest.param("llama", "int8", 2, marks=_SLOW),
+                                                pytest.param("qwen3", "int8", 3, marks=_SLOW)])
 def test_qlora_loaded_quantised_equals_default_strategy(tmp_path, kind, quant, devices):
     """QLoRA as users write it, on CPU virtual devices in checking mode (placement: every quantisation state
     tensor must be on the device its layer runs on): the LoRA weights after 3 steps equal the default
