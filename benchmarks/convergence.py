@@ -60,7 +60,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # convergence_table, b
 from convergence_table import TARGET_RULES, format_table, group_runs, mean_curve  # noqa: E402
 
 CORRECTIONS = ("none", "weight_prediction", "delay_compensation", "error_feedback")
-"""``--corrections`` default: ``none`` is plain async; the others are ``staleness_correction`` values."""
+"""``--corrections``: ``none`` is plain async; the others are ``staleness_correction`` values (the candidates
+of issue 32). The default adds those the installed ``RoundPipeConfig`` lists (:func:`default_corrections`)."""
+
+
+def default_corrections() -> str:
+    """:data:`CORRECTIONS` and the installed strategy's ``STALENESS_CORRECTIONS`` (if it has them), comma-separated."""
+    try:
+        from lightning_roundpipe.config import STALENESS_CORRECTIONS
+    except ImportError:  # a strategy without staleness corrections: each is skipped with a message
+        STALENESS_CORRECTIONS = ()
+    names = dict.fromkeys([*CORRECTIONS, *("none" if c is None else str(c) for c in STALENESS_CORRECTIONS)])
+    return ",".join(names)
 OPTIMIZERS = ("adamw", "sgd")
 SETUP_NAMES = {"a": "LoRA SmolLM2-135M", "b": "full FT, 4-layer SmolLM2-shaped"}
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,20 +230,35 @@ def _planner_config(setup: str, args: argparse.Namespace) -> Path:
     return folder / "config.json"
 
 
-def planner_step_s(setup: str, args: argparse.Namespace) -> dict[str, float]:
-    """``{"sync": s, "async": s}``: the step ``roundpipe plan --optimizer sync|async`` predicts for the setup's
-    model on ``--plan-devices`` RTX 4090s (bf16; ``--batch-size`` microbatches of one ``--seq-len`` sequence)."""
+def planner_step_s(setup: str, args: argparse.Namespace, modes: list[str]) -> tuple[dict[str, float], list[str]]:
+    """``{mode: s}``: the step ``roundpipe plan --optimizer sync|async`` predicts for the setup's model on
+    ``--plan-devices`` RTX 4090s (bf16; ``--batch-size`` microbatches of one ``--seq-len`` sequence); a corrected
+    mode ``async+X`` with ``--staleness-correction X`` (its host cost in the async optimizer step) where the installed
+    planner has that option and value. Also returns the corrected modes it could not time that way (the table
+    times them at plain async's step)."""
+    import contextlib
+    import io
+
     from lightning_roundpipe.cli import plan_cmd
 
     parser = argparse.ArgumentParser(prog="roundpipe")
     plan_cmd.add_parser(parser.add_subparsers(dest="command"))  # `roundpipe plan`'s own flags and defaults
-    out = {}
-    for mode in ("sync", "async"):
-        argv = ["plan", "--model", str(_planner_config(setup, args)), "--devices", str(args.plan_devices),
-                "--seq-len", str(args.seq_len), "--microbatch-size", "1", "--microbatches", str(args.batch_size),
-                "--optimizer", mode] + (["--lora", "--lora-rank", "16"] if setup == "a" else [])
-        out[mode] = plan_cmd.make_report(parser.parse_args(argv)).step_s
-    return out
+    common = ["plan", "--model", str(_planner_config(setup, args)), "--devices", str(args.plan_devices),
+              "--seq-len", str(args.seq_len), "--microbatch-size", "1", "--microbatches", str(args.batch_size)]
+    common += ["--lora", "--lora-rank", "16"] if setup == "a" else []
+    out, untimed = {}, []
+    for mode in ["sync", "async", *(m for m in modes if m.startswith("async+"))]:
+        argv = common + ["--optimizer", "sync" if mode == "sync" else "async"]
+        if mode.startswith("async+"):
+            argv += ["--staleness-correction", mode.split("+", 1)[1]]
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                parsed = parser.parse_args(argv)
+        except SystemExit:  # a planner without the option, or without this correction
+            untimed.append(mode)
+            continue
+        out[mode] = plan_cmd.make_report(parsed).step_s
+    return out, untimed
 
 
 # ---------------------------------------------------------------------- the figure
@@ -276,18 +302,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--setups", default="a,b", help="comma-separated: a (LoRA SmolLM2-135M), b (full FT, small model)")
     p.add_argument("--optimizers", default="adamw,sgd", help=f"comma-separated, of {list(OPTIMIZERS)}")
-    p.add_argument("--corrections", default=",".join(CORRECTIONS),
-                   help="comma-separated async variants: `none` (plain async) and `staleness_correction` values")
+    p.add_argument("--corrections", default=default_corrections(),
+                   help="comma-separated async variants: `none` (plain async) and `staleness_correction` values;"
+                        " one the installed strategy refuses is skipped with a message")
     p.add_argument("--no-sync", dest="sync", action="store_false", help="leave out the sync runs (cached ones still count)")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps-a", type=int, default=24, help="optimizer steps of setup a")
-    p.add_argument("--steps-b", type=int, default=100, help="optimizer steps of setup b")
-    p.add_argument("--eval-every-a", type=int, default=6)
-    p.add_argument("--eval-every-b", type=int, default=10)
+    p.add_argument("--steps-a", type=int, default=16, help="optimizer steps of setup a")
+    p.add_argument("--steps-b", type=int, default=48, help="optimizer steps of setup b")
+    p.add_argument("--eval-every-a", type=int, default=4)
+    p.add_argument("--eval-every-b", type=int, default=6)
     p.add_argument("--lr-a-adamw", type=float, default=2e-3, help="setup a's AdamW LR (the main job's)")
-    p.add_argument("--lr-a-sgd", type=float, default=0.5, help="setup a's SGD LR")
-    p.add_argument("--lrs-adamw", default="1e-3,3e-3,1e-2", help="setup b's AdamW learning-rate sweep")
-    p.add_argument("--lrs-sgd", default="0.1,0.3,1.0", help="setup b's SGD learning-rate sweep")
+    p.add_argument("--lr-a-sgd", type=float, default=0.1, help="setup a's SGD LR")
+    p.add_argument("--lrs-adamw", default="3e-4,2e-3,1e-2", help="setup b's AdamW learning-rate sweep")
+    p.add_argument("--lrs-sgd", default="0.01,0.03,0.06", help="setup b's SGD learning-rate sweep")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--val-blocks", type=int, default=16, help="held-out validation sequences (Hamlet)")
@@ -303,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.steps_a, args.steps_b, args.eval_every_a, args.eval_every_b = 1, 4, 8, 2, 4
-        args.lrs_adamw, args.lrs_sgd, args.val_blocks = "3e-3", "0.3", 8
+        args.lrs_adamw, args.lrs_sgd, args.val_blocks = "2e-3", "0.03", 8
         if args.out == p.get_default("out"):
             args.out = str(ROOT / "benchmarks" / "results" / "convergence_quick")
     return args
@@ -362,22 +389,27 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{time.perf_counter() - started:7.0f} s] {setup} {optimizer} lr={lr:g} {mode} seed {seed}:"
                       f" val loss {record['val_loss'][-1]:.4f} after {steps} steps ({record['wall_s']:.0f} s,"
                       f" {record['fit_s_per_step']:.2f} s/step on CPU)", flush=True)
+    if log.exists():  # also what another process running beside this one wrote meanwhile
+        cached.update({_key(r): r for r in map(json.loads, log.read_text().splitlines()) if r})
     wanted = {(s, o, lr, st) for s, o, lr, st, _ in grid}
     runs = [r for r in cached.values() if (r["setup"], r["optimizer"], r["lr"], r["total_steps"]) in wanted
             and r["seed"] < args.seeds and _settings(args).items() <= r.items()]
     runs.sort(key=lambda r: ([g[:3] for g in grid].index((r["setup"], r["optimizer"], r["lr"])),
                              0 if r["mode"] == "sync" else 1 if r["mode"] == "async" else 2, r["mode"], r["seed"]))
-    step_s = {setup: planner_step_s(setup, args) for setup in sorted({r["setup"] for r in runs})}
+    step_s, untimed = {}, set()
+    for setup in sorted({r["setup"] for r in runs}):
+        step_s[setup], missing = planner_step_s(setup, args, sorted({r["mode"] for r in runs if r["setup"] == setup}))
+        untimed.update(missing)
     lines = [f"convergence: {done} runs trained now, {len(runs)} in the table; {time.perf_counter() - started:.0f} s;"
              f" {args.devices} CPU virtual devices, batch {args.batch_size} x {args.seq_len} tokens,"
              f" {args.val_blocks} x {args.seq_len} held-out tokens"]
     for setup, times in step_s.items():
         lines.append(f"planner ({args.plan_devices} x RTX 4090, bf16, {args.batch_size} microbatches x 1 x {args.seq_len}"
-                     f" tokens), setup {setup}: sync {times['sync'] * 1e3:.2f} ms/step, async"
-                     f" {times['async'] * 1e3:.2f} ms/step ({times['sync'] / times['async']:.2f}x)")
-    if any(r["mode"].startswith("async+") for r in runs):
-        lines.append("note: a corrected mode is timed at async's predicted step: the correction's host cost is not"
-                     " in the planner")
+                     f" tokens), setup {setup}: " + ", ".join(f"{mode} {value * 1e3:.2f}" for mode, value in times.items())
+                     + f" ms/step (sync/async {times['sync'] / times['async']:.2f}x)")
+    if untimed:
+        lines.append(f"note: {', '.join(sorted(untimed))} timed at plain async's predicted step: the installed planner"
+                     " has no `--staleness-correction` for it, so the correction's host cost is not counted")
     lines += [f"skipped {mode}: {why}" for mode, why in refused.items()]
     lines.append("loss: mean [min,max] over seeds; gap closed: (async - corrected) / (async - sync) at equal steps, %"
                  f" ('-': async not worse than sync by > {args.min_gap} nats)")

@@ -168,7 +168,8 @@ def mode_rows(modes: Mapping[str, Sequence[Mapping]], step_s: Mapping[str, float
 
     Args:
         modes: ``{mode: runs}`` of one group (one setup, optimizer and learning rate).
-        step_s: predicted seconds per step per planner mode (``"sync"``, ``"async"``; :func:`base_mode`).
+        step_s: predicted seconds per step per mode; a corrected mode missing from it is timed as its planner mode
+            (:func:`base_mode`: plain async).
         rule: the target rule (:func:`target_loss`).
         min_gap: the smallest sync-async gap (nats) :func:`gap_closed` reports a share of.
     """
@@ -185,7 +186,7 @@ def mode_rows(modes: Mapping[str, Sequence[Mapping]], step_s: Mapping[str, float
             gaps = (None,) * len(FRACTIONS)
         curve_steps, curve = mean_curve(runs)
         rows.append(ModeRow(mode, len(runs), losses, gaps, steps_to_target(curve_steps, curve, target),
-                            None if step_s is None else step_s.get(base_mode(mode))))
+                            None if step_s is None else step_s.get(mode, step_s.get(base_mode(mode)))))
     return target, rows
 
 

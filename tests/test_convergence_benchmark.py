@@ -99,6 +99,9 @@ def test_mode_rows_by_hand():
     text = table.format_table(RUNS, {"b": {"sync": 0.010, "async": 0.006}})
     assert "first to the target on the planner's hardware: async+x (0.019 s)" in text
     assert "60/60/70" in text
+    _, rows = table.mode_rows(table.group_runs(RUNS)[("b", "adamw", 1e-3)], {"sync": 0.010, "async": 0.006,
+                                                                          "async+x": 0.008})
+    assert {row.mode: row.time_to_target_s for row in rows}["async+x"] == pytest.approx(0.025)  # its own step
     _, rows = table.mode_rows(table.group_runs(RUNS)[("b", "adamw", 1e-3)], rule="sync-final")
     assert {row.mode: row.steps_to_target for row in rows}["async"] is None  # 2.1 never reaches 1.1
 
