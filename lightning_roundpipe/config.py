@@ -34,6 +34,10 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 PARTITION_MODES = ("auto", "default")
 DISPATCH_MODES = ("auto", "round_robin", "weighted")
 OPTIMIZER_MODES = ("sync", "async")
+STALENESS_CORRECTIONS = (None, "weight_prediction", "delay_compensation", "gradient_extrapolation")
+"""Values of :attr:`RoundPipeConfig.staleness_correction` (``"none"`` is read as ``None``)."""
+DEFAULT_STALENESS_LAMBDA = 0.04
+"""Default :attr:`RoundPipeConfig.staleness_correction_lambda` (DC-ASGD's variance control, untuned)."""
 FROZEN_WEIGHT_MODES = (None, "fp8")
 
 
@@ -269,6 +273,28 @@ class RoundPipeConfig:
     between two pipelines. ``"async"``: the paper's mode (section 4): the CPU optimizer step of step k
     runs on a background thread while the pipeline of step k+1 runs on the weights from before it."""
 
+    staleness_correction: str | None = None
+    """``None`` (or ``"none"``), ``"weight_prediction"``, ``"delay_compensation"`` or ``"gradient_extrapolation"``;
+    default ``None``: ``optimizer="async"``'s one-step-stale update as the paper runs it. A correction of
+    the stale step computed on the host (no extra PCIe bytes), with ``optimizer="async"`` only; each keeps
+    one fp32 copy per trainable parameter (4 bytes/parameter of host memory):
+
+    - ``"weight_prediction"``: the snapshot a stale step computes on is ``W + (W - W_prev)``, the weights
+      extrapolated by the last update (SpecTrain, Chen et al. 2018, arXiv 1809.02839; PipeMare, Yang et al.
+      2021); the optimizer steps the true weights.
+    - ``"delay_compensation"``: DC-ASGD (Zheng et al., ICML 2017): the stale gradient ``g`` becomes
+      ``g + lambda * g * g * (W_now - W_stale)`` before the hooks and clipping see it.
+    - ``"gradient_extrapolation"``: the stale gradient becomes ``g_k + (g_k - g_{k-1})``, a first-order
+      predictor of the gradient at the fresh weights (not the error feedback of arXiv 2606.30634).
+
+    A step that computes on the current weights (the first of a fit, the first after a validation) is
+    not corrected. ``docs/usage.md``, *Sync or async?*, says what each does and costs."""
+
+    staleness_correction_lambda: float = DEFAULT_STALENESS_LAMBDA
+    """``float >= 0``; default 0.04: ``lambda`` of ``staleness_correction="delay_compensation"`` (the constant
+    variance-control factor of DC-ASGD, Zheng et al. 2017; not tuned: the paper tunes it per task). Ignored
+    by the other corrections."""
+
     overlap_batches: bool = True
     """``bool``; default ``True``: issue the next batch's pipeline while this batch's backward stages
     still drain (DESIGN.md section 11): with ``optimizer="sync"`` the accumulated batches that do not
@@ -392,6 +418,7 @@ class RoundPipeConfig:
                 " keeps Lightning's exact semantics; 'async' overlaps the CPU optimizer step with the next step's"
                 " pipeline (weights one step stale, RoundPipe paper section 4)."
             )
+        self._check_staleness_correction()
 
         every = self.trace_every_n_steps
         if every is not None and (not _is_int(every) or every < 0):
@@ -425,6 +452,29 @@ class RoundPipeConfig:
             raise TypeError(f"`data_parallel` must be a `DataParallel` or None, got {type(data_parallel).__name__}."
                             " HINT: `RoundPipeStrategy(data_parallel=DataParallel(timeout_s=60))`.")
         object.__setattr__(self, "data_parallel", data_parallel)
+
+    def _check_staleness_correction(self) -> None:
+        correction = self.staleness_correction
+        if isinstance(correction, str) and correction.strip().lower() in ("none", "null"):
+            correction = None
+        if correction not in STALENESS_CORRECTIONS:
+            near = correction.strip().lower().replace("-", "_") if isinstance(correction, str) else None
+            hint = (f"use {near!r}" if near in STALENESS_CORRECTIONS else "None (default) keeps the paper's one-step-stale"
+                    " update; docs/usage.md, *Sync or async?*, says what each correction does and costs")
+            raise ValueError(f"`staleness_correction` must be one of {list(STALENESS_CORRECTIONS)} (or 'none'), got"
+                             f" {self.staleness_correction!r}. HINT: {hint}; from the command line"
+                             " `strategy.staleness_correction=weight_prediction`.")
+        if correction is not None and self.optimizer != "async":
+            raise ValueError(f"`staleness_correction={correction!r}` corrects the one-step-stale update of"
+                             f" `optimizer='async'`, but `optimizer={self.optimizer!r}` has no stale step. HINT: pass"
+                             " `optimizer='async'` too, or leave `staleness_correction=None`.")
+        object.__setattr__(self, "staleness_correction", correction)
+        lam = self.staleness_correction_lambda
+        if not _is_number(lam) or not 0 <= lam < math.inf:
+            raise ValueError(f"`staleness_correction_lambda` must be a finite number >= 0, got {lam!r}. HINT:"
+                             f" {DEFAULT_STALENESS_LAMBDA} (the default) for DC-ASGD's `lambda`; 0 turns the delay"
+                             " compensation off.")
+        object.__setattr__(self, "staleness_correction_lambda", float(lam))
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -37,7 +37,11 @@ from typing_extensions import override
 
 from lightning_roundpipe.config import OPTIMIZER_MODES  # validated in RoundPipeConfig
 from lightning_roundpipe.runtime.host.async_optimizer import BackgroundStepper
+from lightning_roundpipe.runtime.host.staleness import StalenessCorrection, make_staleness_correction
 from lightning_roundpipe.runtime.execution.installed import InstalledMethod
+
+STALENESS_CHECKPOINT_KEY = "roundpipe_staleness"
+"""The checkpoint key of the staleness correction's state (:meth:`AsyncOptimizer.correction_state`)."""
 
 
 def check_optimizer_mode(value: Any) -> str:
@@ -101,7 +105,8 @@ class AsyncOptimizer:
         steps_submitted: optimizer steps handed to the thread so far.
     """
 
-    def __init__(self, steady: bool = False) -> None:
+    def __init__(self, steady: bool = False, staleness_correction: str | None = None,
+                 staleness_correction_lambda: float = 0.0) -> None:
         self.steady = steady
         """The steady state (DESIGN.md section 11): a step's pipeline may still drain when its backward
         returns; the next step's pipeline is issued behind it (the strategy marks which batches)."""
@@ -116,6 +121,16 @@ class AsyncOptimizer:
         self._after_wait: list[Callable[[], Any]] = []  # deferred calls, run in order after the next wait
         self._callback: _WaitCallback | None = None
         self._trainer = None
+        self.correction_kind = staleness_correction
+        """``RoundPipeConfig.staleness_correction`` (``runtime/host/staleness.py``)."""
+        self._correction_lambda = staleness_correction_lambda
+        self.correction: StalenessCorrection | None = None
+        # which updates each snapshot holds: updates handed over so far, and per bank that count when it
+        # was refreshed; a step whose snapshot holds fewer than the updates made before its own is stale
+        self._updates = 0
+        self._bank_updates = [0, 0]
+        self._forward_updates: int | None = None  # the steady state: the snapshot of the fused program just issued
+        self._snapshot_plain = True  # the snapshot is the masters (not predicted)
 
     # ------------------------------------------------------------------ install / uninstall
     def install(self, trainer: Any, lightning_module: Any, optimizers: list, engine: Any,
@@ -138,8 +153,14 @@ class AsyncOptimizer:
         engine.store.snapshot = True
         engine.store.refresh(force=True)
         engine.grad_barrier = self.wait
+        self._precision = precision
+        if self.correction_kind is not None:
+            names = {id(p): n for n, p in lightning_module.named_parameters()}
+            trained = list({id(p): p for o in optimizers for g in o.param_groups for p in g["params"]
+                            if p.requires_grad}.values())
+            self.correction = make_staleness_correction(self.correction_kind, trained, [names[id(p)] for p in trained],
+                                                        self._correction_lambda)
         if self.steady:
-            self._precision = precision
             engine.before_fused_start = self._before_program
             engine.on_gradients_complete = self._gradients_complete
             engine.overlaps_steps = True  # the automatic choice and the predictions simulate the steady state
@@ -163,6 +184,7 @@ class AsyncOptimizer:
         if self.stepper is not None:
             self.stepper.close()
             self.stepper = None
+        self.correction = None
         self._after_wait.clear()
         self._after_held.clear()
         self._held = None
@@ -242,19 +264,27 @@ class AsyncOptimizer:
         if self.engine is not None:
             self._refresh()
 
-    def _refresh(self) -> None:
+    def _refresh(self, stale: bool = False) -> None:
+        """Refresh the pipeline's snapshot from the masters; ``stale``: for a step that will lack the
+        next update (``weight_prediction`` then predicts the weights)."""
         store = self.engine.store
+        predict = stale and self.correction is not None and self.correction.predicts_weights
         if self.steady:  # into the bank no run in flight reads, off the main thread
             target = 1 - store.read_bank
             if any(run.shadow_bank == target and not run.done for run in self.engine.executor.in_flight):
                 raise RuntimeError("RoundPipe: a weight snapshot refresh would overwrite the bank a running"
                                    " pipeline uploads from (internal error; please report it).")
-            self._refresh_on_thread(store)
+            self._refresh_on_thread(store, predict)
+        elif predict:
+            for key in store.snapshot_keys():
+                store.refresh_entry(key, self.correction.predicted(store.tensors[key].master))
         else:
             store.refresh(force=True)
         self._snapshot_lag = 0
+        self._bank_updates[store.read_bank] = self._updates
+        self._snapshot_plain = not predict
 
-    def _refresh_on_thread(self, store: Any) -> None:
+    def _refresh_on_thread(self, store: Any, predict: bool = False) -> None:
         """The steady state's snapshot refresh (DESIGN.md section 4: it runs off the main thread, per
         tensor in upload order, with an event per tensor): the bank flips now, the copies run on the
         optimizer thread ahead of the next optimizer step (which changes the masters only after
@@ -271,7 +301,8 @@ class AsyncOptimizer:
         def refresh() -> None:
             try:
                 for key in keys:
-                    store.copy_to_bank(key, bank)
+                    store.copy_to_bank(key, bank, self.correction.predicted(store.tensors[key].master) if predict
+                                       else None)
                     events[key].set()
             finally:
                 release()  # a failed copy raises at the next wait; the uploads must not hang meanwhile
@@ -283,9 +314,12 @@ class AsyncOptimizer:
         """Before a fused program is issued: its snapshot must hold every update but the latest
         step's (one step stale). With a step held for its gradients, that is every update handed
         over; else the one in flight may be missing."""
-        if self._snapshot_lag > (0 if self._held is not None else 1):
+        held = self._held is not None
+        predicting = self.correction is not None and self.correction.predicts_weights
+        if self._snapshot_lag > (0 if held else 1) or (predicting and held and self._snapshot_plain):
             self.wait()
-            self._refresh()
+            self._refresh(stale=held)
+        self._forward_updates = self._bank_updates[self.engine.store.read_bank]
 
     def _gradients_complete(self) -> None:
         """The engine added the last overlapped gradients into ``.grad``: the held step's hooks and
@@ -297,20 +331,43 @@ class AsyncOptimizer:
     def _complete(self, step: "_HeldStep") -> None:
         for hook in step.hooks:  # `on_before_optimizer_step` hooks and clipping, on the complete gradient
             hook()
-        if self._snapshot_lag > 0 or not step.updates:  # the next pipeline's weights: all but this update
-            self.wait()
-            self._refresh()
-        for kwargs in step.updates:  # none when the plugin skipped the step (e.g. inf gradients)
+        if self.correction is not None:
+            self.correction.commit(bool(step.updates))
+        predicting = self.correction is not None and self.correction.predicts_weights
+        if self._snapshot_lag > 0 or not step.updates or (predicting and self._snapshot_plain):
+            self.wait()  # the next pipeline's weights: all but this update
+            self._refresh(stale=bool(step.updates))
+        for index, kwargs in enumerate(step.updates):  # none when the plugin skipped the step (e.g. inf gradients)
             self.steps_submitted += 1
-            self.stepper.submit(functools.partial(step.step, **kwargs), f"optimizer step {self.steps_submitted}")
+            update = functools.partial(step.step, **kwargs)
+            if index == 0 and self.correction is not None:
+                update = functools.partial(_after, self.correction.before_update, update)
+            self.stepper.submit(update, f"optimizer step {self.steps_submitted}")
         if step.updates:
             self._snapshot_lag += 1
+            self._updates += 1
         queued, self._after_held = self._after_held, []
         if self.stepper.pending:
             self._after_wait.extend(queued)
         else:
             for call in queued:
                 call()
+
+    def _after_gradients(self, snapshot_updates: int, original_after: Callable, model: Any, optimizer: Any) -> None:
+        """The step's gradient is complete (every update before it applied): correct it if its
+        snapshot lacked an update, then the plugin's ``on_before_optimizer_step`` hooks and clipping."""
+        if self.correction is not None:
+            self.correction.correct_gradients(stale=self._updates > snapshot_updates)
+        original_after(model, optimizer)
+
+    def correction_state(self) -> dict | None:
+        """The staleness correction's state for a checkpoint (after a wait), ``None`` without one."""
+        return None if self.correction is None else self.correction.state_dict()
+
+    def load_correction_state(self, state: dict | None) -> None:
+        """Restore :meth:`correction_state` from a checkpoint (ignored when of another correction)."""
+        if self.correction is not None and state is not None:
+            self.correction.load_state_dict(state)
 
     def pop_metrics(self) -> dict[str, float]:
         """Since the last call: ``roundpipe/optimizer_thread(s)``, seconds the thread ran optimizer
@@ -343,15 +400,19 @@ class AsyncOptimizer:
 
         functools.update_wrapper(deferred_step, original)  # keeps LR schedulers' `_wrapped_by_lr_sched` mark
         hooks: list[Callable[[], Any]] = []
-        precision = self._precision if self.steady else None
+        precision = self._precision if self.steady or self.correction is not None else None
         if precision is not None:  # the hooks and clipping wait for the gradients when the pipeline still drains
             original_after = precision._after_closure
 
             def after_closure(model: Any, optimizer_: Any) -> None:
-                if self.engine.overlap.incomplete():
-                    hooks.append(functools.partial(original_after, model, optimizer_))
+                snapshot_updates, self._forward_updates = self._forward_updates, None
+                if snapshot_updates is None:  # not a steady-state fused program: the snapshot read now
+                    snapshot_updates = self._bank_updates[self.engine.store.read_bank]
+                run = functools.partial(self._after_gradients, snapshot_updates, original_after, model, optimizer_)
+                if self.steady and self.engine.overlap.incomplete():
+                    hooks.append(run)
                 else:
-                    original_after(model, optimizer_)
+                    run()
 
             precision.__dict__["_after_closure"] = after_closure
         had = "step" in optimizer.__dict__
@@ -372,6 +433,12 @@ class AsyncOptimizer:
         else:
             self._complete(step)
         return result
+
+
+def _after(first: Callable[[], Any], then: Callable[[], Any]) -> Any:
+    """``first()``, then ``then()`` (one job of the optimizer thread)."""
+    first()
+    return then()
 
 
 @dataclass

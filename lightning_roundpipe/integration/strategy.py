@@ -28,9 +28,9 @@ from typing_extensions import override
 from lightning_roundpipe.adapters import make_layer_sequence
 from lightning_roundpipe.adapters.find import find_pipelined_module
 from lightning_roundpipe.adapters.base import check_not_compiled
-from lightning_roundpipe.config import DEFAULT_TRACE_EVERY_N_STEPS, DataParallel, RoundPipeConfig
+from lightning_roundpipe.config import DEFAULT_STALENESS_LAMBDA, DEFAULT_TRACE_EVERY_N_STEPS, DataParallel, RoundPipeConfig
 from lightning_roundpipe.integration import data_parallel as dp
-from lightning_roundpipe.integration.async_step import AsyncOptimizer
+from lightning_roundpipe.integration.async_step import STALENESS_CHECKPOINT_KEY, AsyncOptimizer
 from lightning_roundpipe.integration.frozen_fp8 import FrozenFp8
 from lightning_roundpipe.integration.precision import RoundPipePrecision, frozen_rounding_note
 from lightning_roundpipe.partition.types import PartitionPlan
@@ -124,7 +124,8 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             one per device; enforced on CPU virtual devices), ``cpu_device_speeds`` (CPU virtual devices'
             relative speeds, e.g. ``[1.0, 0.5]``), ``dispatch`` (``"auto"``, ``"round_robin"`` or
             ``"weighted"``: devices of unequal speed or memory, DESIGN.md section 12), ``optimizer``
-            (``"sync"`` or ``"async"``, see *Asynchronous optimizer* below), ``overlap_batches`` (the next batch's
+            (``"sync"`` or ``"async"``, see *Asynchronous optimizer* below), ``staleness_correction`` and
+            ``staleness_correction_lambda`` (async's stale step corrected on the host, ``RoundPipeConfig``), ``overlap_batches`` (the next batch's
             pipeline is issued while this one drains: accumulated batches in ``"sync"``, every step in
             ``"async"``), ``trace_every_n_steps`` (a Chrome/Perfetto trace and a
             timeline PNG every N batches into ``<trainer.log_dir>/roundpipe/`` and W&B, with a logger; 0: off),
@@ -211,6 +212,8 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         cpu_device_speeds: Sequence[float] | None = None,
         dispatch: str = "auto",
         optimizer: str = "sync",
+        staleness_correction: str | None = None,
+        staleness_correction_lambda: float = DEFAULT_STALENESS_LAMBDA,
         overlap_batches: bool = True,
         trace_every_n_steps: int | None = DEFAULT_TRACE_EVERY_N_STEPS,
         peak_flops: float | None = None,
@@ -231,6 +234,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
                  "debug_copy_delay_s": debug_copy_delay_s, "check_streams": check_streams,
                  "device_memory_bytes": device_memory_bytes, "cpu_device_speeds": cpu_device_speeds,
                  "dispatch": dispatch, "optimizer": optimizer, "overlap_batches": overlap_batches,
+                 "staleness_correction": staleness_correction, "staleness_correction_lambda": staleness_correction_lambda,
                  "trace_every_n_steps": trace_every_n_steps, "peak_flops": peak_flops, "frozen_weights": frozen_weights,
                  "data_parallel": DataParallel() if data_parallel is None else data_parallel}
         self.config = _make_config(config, given)
@@ -253,6 +257,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         self._train_batches_started = 0
         self._restored_plan: dict[str, Any] | None = None  # the checkpoint's engine state (load_checkpoint)
         self._finished_plan: dict[str, Any] | None = None  # the last engine's state, kept at teardown
+        self._restored_staleness = self._finished_staleness = None  # the staleness correction's state, as the plan's
         self.step_metrics: dict[str, float] = {}
         """RoundPipe's metrics of the last training batch (``roundpipe/device0/bubble(%)``...; every batch,
         whatever ``log_every_n_steps``; kept after fit), written by
@@ -345,10 +350,11 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             # GradScaler (it unscales and checks them inside the plugin's step), accumulation or several nodes
             steady = (self.config.overlap_batches and getattr(precision, "scaler", None) is None
                       and self.num_nodes == 1 and trainer.accumulate_grad_batches == 1)
-            self._async = AsyncOptimizer(steady=steady)
+            self._async = AsyncOptimizer(steady, self.config.staleness_correction, self.config.staleness_correction_lambda)
             try:
                 self._async.install(trainer, self.lightning_module, self.optimizers, self.engine,
                                     precision=getattr(precision, "plugin", precision))
+                self._async.load_correction_state(self._restored_staleness)
             except BaseException:
                 self._async.uninstall()
                 self._async = None
@@ -377,7 +383,9 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         text = (f"RoundPipe: pipelining `{type(seq.target).__name__}` ({seq.family}, {layers}) on"
                 f" {len(devices)} device(s) [{names}], {engine.num_microbatches} microbatches"
                 f" ({describe_rounds(engine.microbatches_per_round, count)}{cut}),"
-                f" precision {self.precision_plugin.precision}, optimizer {self.optimizer_mode!r}, fused loss {fused}\n"
+                f" precision {self.precision_plugin.precision}, optimizer {self.optimizer_mode!r}"
+                + (f" (staleness correction {self.config.staleness_correction!r})" if self.optimizer_mode == "async" else "")
+                + f", fused loss {fused}\n"
                 + format_stage_table(engine.fused_stages if fused == "on" else engine.stages, seq.layer_names))
         devices_line = describe_devices(engine)
         text += f"\n{devices_line}" if devices_line else ""
@@ -529,6 +537,9 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         state = self._finished_plan if self.engine is None else plan_state(self.engine)
         if state is not None:
             checkpoint = {**checkpoint, CHECKPOINT_KEY: state}
+        staleness = self._finished_staleness if self._async is None else self._async.correction_state()
+        if staleness is not None:
+            checkpoint = {**checkpoint, STALENESS_CHECKPOINT_KEY: staleness}
         checkpoint = {**checkpoint, **self._fp8.checkpoint_entry()}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -538,6 +549,9 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
         hooks see the checkpoint as under Lightning's strategies)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._restored_plan = checkpoint.pop(CHECKPOINT_KEY, None)
+        self._restored_staleness = checkpoint.pop(STALENESS_CHECKPOINT_KEY, None)
+        if self._async is not None:
+            self._async.load_correction_state(self._restored_staleness)
         self._fp8.take_from_checkpoint(checkpoint)
         if self.engine is not None:
             restore_plan_state(self.engine, self._restored_plan)
@@ -565,6 +579,7 @@ class RoundPipeStrategy(dp.NodeParallelStrategy):
             self.data_parallel_sync.close()
             self.data_parallel_sync = None
         if self._async is not None:
+            self._finished_staleness = self._async.correction_state()
             self._async.uninstall()
             self._async = None
         if self.engine is not None:

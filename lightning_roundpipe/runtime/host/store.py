@@ -236,16 +236,18 @@ class WeightStore(FrozenWeights):
                 marked += 1
         return marked
 
-    def refresh_entry(self, key: int) -> int:
+    def refresh_entry(self, key: int, value: torch.Tensor | None = None) -> int:
         """Copy one master into its shadow (in the compute dtype, pinned on CUDA); returns the bytes
         copied. Called by :meth:`refresh`, or per tensor in upload order by the executor's refresh
-        thread while the devices already run (DESIGN.md section 4)."""
+        thread while the devices already run (DESIGN.md section 4). ``value``: copy this tensor of
+        the master's shape instead (the asynchronous optimizer's predicted weights); the shadow then
+        counts as stale (the next :meth:`refresh` copies the master)."""
         entry = self.tensors[key]
         master = entry.master.detach()
         if entry.shadow is None or entry.version is None or entry.shadow.shape != master.shape:
             entry.shadow = pinned_empty(master.shape, entry.dtype, pin=self.pin_memory)
-        entry.shadow.copy_(master)
-        entry.version = (master.data_ptr(), master._version)
+        entry.shadow.copy_(master if value is None else value)
+        entry.version = (master.data_ptr(), master._version if value is None else -1)
         return entry.shadow.numel() * entry.shadow.element_size()
 
     def refresh_snapshot(self) -> int:
@@ -275,24 +277,32 @@ class WeightStore(FrozenWeights):
         Raises:
             ValueError: a frozen parameter held in the compute dtype was unfrozen.
         """
-        self.stale_entries(force=True)  # sets up the entries that need no copy (their master serves)
-        # every copy, whatever its version counter says: a fused optimizer step on the optimizer thread
-        # bumps none (see `mark_stale`)
-        keys = list(dict.fromkeys(key for entries in self.entries for _, key in entries
-                                  if self.tensors[key].block is None and self._needs_copy(self.tensors[key])))
+        keys = self.snapshot_keys()
         self.read_bank = 1 - self.read_bank
         return self.read_bank, keys
 
-    def copy_to_bank(self, key: int, bank: int) -> int:
-        """Copy one master into its snapshot ``bank`` copy (the shadow for 0, the spare for 1; pinned on
-        CUDA); returns the bytes copied. Any thread, while no optimizer step changes the master."""
+    def snapshot_keys(self) -> list[int]:
+        """The keys of every tensor with a shadow copy, in layer order, whatever its version counter
+        says (a fused optimizer step on the optimizer thread bumps none, see :meth:`mark_stale`).
+
+        Raises:
+            ValueError: a frozen parameter held in the compute dtype was unfrozen.
+        """
+        self.stale_entries(force=True)  # sets up the entries that need no copy (their master serves)
+        return list(dict.fromkeys(key for entries in self.entries for _, key in entries
+                                  if self.tensors[key].block is None and self._needs_copy(self.tensors[key])))
+
+    def copy_to_bank(self, key: int, bank: int, value: torch.Tensor | None = None) -> int:
+        """Copy one master (or ``value``, as :meth:`refresh_entry`) into its snapshot ``bank`` copy (the
+        shadow for 0, the spare for 1; pinned on CUDA); returns the bytes copied. Any thread, while no
+        optimizer step changes the master."""
         if bank == 0:
-            return self.refresh_entry(key)
+            return self.refresh_entry(key, value)
         entry = self.tensors[key]
         master = entry.master.detach()
         if entry.spare is None or entry.spare.shape != master.shape:
             entry.spare = pinned_empty(master.shape, entry.dtype, pin=self.pin_memory)
-        entry.spare.copy_(master)
+        entry.spare.copy_(master if value is None else value)
         return entry.spare.numel() * entry.spare.element_size()
 
     def end_snapshot(self) -> None:
