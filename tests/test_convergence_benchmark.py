@@ -106,10 +106,13 @@ def test_mode_rows_by_hand():
     assert {row.mode: row.steps_to_target for row in rows}["async"] is None  # 2.1 never reaches 1.1
 
 
-def test_weight_snapshots_read_w_j_without_changing_the_async_run():
-    """The benchmark's callback reads ``W_j`` mid-fit: in an async steady-state fit the weights it takes after
-    step 2 equal the final weights of the same fit stopped at step 2, and taking them leaves the run's
-    final weights as without the callback (bitwise)."""
+@pytest.mark.parametrize("correction", [None, *(pytest.param(name, marks=pytest.mark.slow) for name in
+                                              ("weight_prediction", "delay_compensation", "gradient_extrapolation"))])
+def test_weight_snapshots_read_w_j_without_changing_the_async_run(correction):
+    """The benchmark's callback reads ``W_j`` mid-fit: in an async steady-state fit (plain, or with a staleness
+    correction) the weights it takes after step 2 equal the final weights of the same fit stopped at step 2,
+    and taking them leaves the run's final weights as without the callback (bitwise). (Read with
+    ``wait_for_optimizer()`` alone, the weights were ``W_1``: the first assertion failed.)"""
     import torch
 
     import lightning_roundpipe
@@ -119,7 +122,9 @@ def test_weight_snapshots_read_w_j_without_changing_the_async_run():
 
     def fit(steps: int, callback=None):
         module = CausalLMModule(tiny_hf(layers=3), lr=0.01, optimizer="adamw")
-        strategy = lightning_roundpipe.RoundPipeStrategy(optimizer="async", partition="default", trace_every_n_steps=0)
+        kwargs = {} if correction is None else {"staleness_correction": correction}
+        strategy = lightning_roundpipe.RoundPipeStrategy(optimizer="async", partition="default", trace_every_n_steps=0,
+                                                         **kwargs)
         t = trainer(strategy, devices=2, max_steps=steps, callbacks=[callback] if callback else [])
         t.fit(module, loader(TokenData(n=28), batch_size=7))
         return params(module)
