@@ -37,7 +37,7 @@ corrections can be added later to the same table.
 
 Run (from the repository root)::
 
-    python benchmarks/convergence.py --quick     # smoke run: 1 seed, a few steps (about 2 minutes on 2 busy cores)
+    python benchmarks/convergence.py --quick     # smoke run: 1 seed, AdamW, a few steps of each mode
     python benchmarks/convergence.py             # the default run (see docs/usage.md "sync or async?" for its wall time)
     python benchmarks/convergence.py --setups b --lrs-adamw 3e-3 --corrections error_feedback
 """
@@ -324,13 +324,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-rule", choices=TARGET_RULES, default="all-reach")
     p.add_argument("--min-gap", type=float, default=0.005,
                    help="the smallest sync-async gap (nats) whose closed share is reported")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 seed, setup a 4 steps, b 8 steps, one LR each")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 seed, setup a 4 steps, b 8 steps, one LR, AdamW only (unless --optimizers is given)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "convergence"), help="output folder")
     p.add_argument("--fresh", action="store_true", help="re-run runs already in <out>/runs.jsonl")
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.steps_a, args.steps_b, args.eval_every_a, args.eval_every_b = 1, 4, 8, 2, 4
         args.lrs_adamw, args.lrs_sgd, args.val_blocks = "2e-3", "0.03", 8
+        if args.optimizers == p.get_default("optimizers"):
+            args.optimizers = "adamw"
         if args.out == p.get_default("out"):
             args.out = str(ROOT / "benchmarks" / "results" / "convergence_quick")
     return args

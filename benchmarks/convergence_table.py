@@ -150,7 +150,8 @@ class ModeRow:
     losses: tuple[Spread, ...]
     """Loss at each of :data:`FRACTIONS` of the steps, over seeds."""
     gaps: tuple[float | None, ...]
-    """For a corrected async mode: :func:`gap_closed` of the mean losses at each fraction; else ``None``s."""
+    """For a corrected async mode: :func:`gap_closed` of the mean losses at each fraction over the seeds that
+    sync, async and the mode all ran; else ``None``s."""
     steps_to_target: float | None
     step_s: float | None
     """The planner's predicted seconds per step for the mode on the target hardware (``None``: not given)."""
@@ -175,13 +176,14 @@ def mode_rows(modes: Mapping[str, Sequence[Mapping]], step_s: Mapping[str, float
     """
     finals = {mode: spread(loss_at_fraction(run, 1.0) for run in runs).mean for mode, runs in modes.items()}
     target = target_loss(finals, rule)
-    means = {mode: [spread(loss_at_fraction(run, f) for run in runs).mean for f in FRACTIONS]
-             for mode, runs in modes.items()}
     rows = []
     for mode, runs in modes.items():
         losses = tuple(spread(loss_at_fraction(run, f) for run in runs) for f in FRACTIONS)
-        if mode.startswith("async+") and "sync" in means and "async" in means:
-            gaps = tuple(gap_closed(s, a, c, min_gap) for s, a, c in zip(means["sync"], means["async"], means[mode]))
+        seeds = set.intersection(*({run["seed"] for run in modes.get(m, ())} for m in ("sync", "async", mode)))
+        if mode.startswith("async+") and seeds:  # on the seeds all three modes ran
+            sync, plain, corrected = ([spread(loss_at_fraction(run, f) for run in modes[m] if run["seed"] in seeds).mean
+                                       for f in FRACTIONS] for m in ("sync", "async", mode))
+            gaps = tuple(gap_closed(s, a, c, min_gap) for s, a, c in zip(sync, plain, corrected))
         else:
             gaps = (None,) * len(FRACTIONS)
         curve_steps, curve = mean_curve(runs)
