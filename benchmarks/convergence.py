@@ -306,7 +306,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated async variants: `none` (plain async) and `staleness_correction` values;"
                         " one the installed strategy refuses is skipped with a message")
     p.add_argument("--no-sync", dest="sync", action="store_false", help="leave out the sync runs (cached ones still count)")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="train seeds from this one on (the table still shows all --seeds): split seeds over processes")
+    p.add_argument("--table-only", action="store_true", help="train nothing: the table and PNG of the runs in <out>")
     p.add_argument("--steps-a", type=int, default=16, help="optimizer steps of setup a")
     p.add_argument("--steps-b", type=int, default=48, help="optimizer steps of setup b")
     p.add_argument("--eval-every-a", type=int, default=4)
@@ -373,11 +376,11 @@ def main(argv: list[str] | None = None) -> int:
                 refused[mode] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
                 print(f"skipped {mode}: the installed RoundPipeStrategy refuses staleness_correction="
                       f"{mode.split('+', 1)[1]!r} ({refused[mode]})", flush=True)
-    modes = [m for m in modes if m not in refused]
+    modes = [m for m in modes if m not in refused]  # (said again under the table)
     grid = _grid(args)
     started = time.perf_counter()
     done = 0
-    for seed in range(args.seeds):  # seeds outermost: an interrupted run has whole seeds
+    for seed in range(args.first_seed, 0 if args.table_only else args.seeds):  # seeds outermost: whole seeds first
         for setup, optimizer, lr, steps, eval_every in grid:
             for mode in modes:
                 key = _key({"setup": setup, "optimizer": optimizer, "lr": lr, "mode": mode, "seed": seed,

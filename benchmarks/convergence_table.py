@@ -203,7 +203,7 @@ def format_table(runs: Sequence[Mapping], step_s: Mapping[str, Mapping[str, floa
     times the planner's predicted step time (``step_s[setup][planner mode]``), and which mode is first.
     """
     lines = []
-    header = (f"{'mode':<26} {'seeds':>5} " + " ".join(f"{f'loss@{int(f * 100)}%':>21}" for f in FRACTIONS)
+    header = (f"{'mode':<30} {'seeds':>5} " + " ".join(f"{f'loss@{int(f * 100)}%':>21}" for f in FRACTIONS)
               + f" {'gap closed 25/50/100%':>22} {'steps->target':>13} {'s/step':>8} {'time->target s':>14}")
     for (setup, optimizer, lr), modes in group_runs(runs).items():
         group_step_s = None if step_s is None else step_s.get(setup)
@@ -213,7 +213,7 @@ def format_table(runs: Sequence[Mapping], step_s: Mapping[str, Mapping[str, floa
                   header]
         for row in rows:
             gaps = "/".join(_fmt_optional(g if g is None else 100 * g, ".0f", "-") for g in row.gaps)
-            lines.append(f"{row.mode:<26} {row.seeds:>5} " + " ".join(f"{str(s):>21}" for s in row.losses)
+            lines.append(f"{row.mode:<30} {row.seeds:>5} " + " ".join(f"{str(s):>21}" for s in row.losses)
                          + f" {gaps:>22} {_fmt_optional(row.steps_to_target, '.1f', 'never'):>13}"
                          + f" {_fmt_optional(row.step_s, '.4f'):>8} {_fmt_optional(row.time_to_target_s, '.3f'):>14}")
         timed = [row for row in rows if row.time_to_target_s is not None]
