@@ -284,9 +284,11 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(f"{setup}: {SETUP_NAMES.get(setup, setup)}\n{optimizer} lr={lr:g}", fontsize=9)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("validation loss (nats/token)")
-        finals = [run["val_loss"][-1] for mode_runs in modes.values() for run in mode_runs]
-        starts = [run["val_loss"][1] for mode_runs in modes.values() for run in mode_runs if len(run["val_loss"]) > 1]
-        ax.set_ylim(min(finals) - 0.1, max(starts + finals) + 0.1)  # step 0 (random init: ~ln vocab) off the scale
+        # the y range of the steps from 25 % on (before, a random init's loss falls from ~ln(vocab): off the scale)
+        later = [loss for mode_runs in modes.values() for run in mode_runs
+                 for step, loss in zip(run["steps"], run["val_loss"]) if step >= run["total_steps"] / 4]
+        margin = 0.05 * (max(later) - min(later)) + 0.01
+        ax.set_ylim(min(later) - margin, max(later) + margin)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(groups):]:
