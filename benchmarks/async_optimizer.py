@@ -23,8 +23,12 @@ the async runs the thread's time per update (``roundpipe/optimizer_thread(s)``: 
 sync step when the thread shares the cores with the devices) and the main thread's wait for it
 (``roundpipe/optimizer_wait(s)``: 0 when the update hides behind the pipeline).
 
+``--staleness-correction weight_prediction,delay_compensation,gradient_extrapolation`` adds an async
+run per correction (``RoundPipeStrategy(staleness_correction=...)``, alternated with the others) and
+prints its step time against plain async's.
+
 Run: ``python benchmarks/async_optimizer.py [--devices 2] [--hidden 1024] [--layers 8]
-[--link-gb-per-s 3]`` (under a minute on 2 cores).
+[--link-gb-per-s 3] [--staleness-correction ...]`` (under a minute on 2 cores, plus a run per correction).
 """
 
 from __future__ import annotations
@@ -100,7 +104,7 @@ class Clock(L.Callback):
         return statistics.median(later - earlier for earlier, later in zip(times, times[1:]))
 
 
-def run(args: argparse.Namespace, mode: str) -> Clock:
+def run(args: argparse.Namespace, mode: str, correction: str | None = None) -> Clock:
     rows = args.batch * (args.warmup + args.steps)
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(rows, args.hidden, generator=generator),
@@ -108,7 +112,8 @@ def run(args: argparse.Namespace, mode: str) -> Clock:
     clock = Clock(args.warmup)
     link = None if args.link_gb_per_s <= 0 else args.link_gb_per_s * 1e9
     strategy = lightning_roundpipe.RoundPipeStrategy(num_microbatches=args.microbatches, partition="default",
-                                                     cpu_link_bytes_per_s=link, optimizer=mode)
+                                                     cpu_link_bytes_per_s=link, optimizer=mode,
+                                                     staleness_correction=correction)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.warmup + args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[clock], log_every_n_steps=1)
@@ -128,18 +133,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--link-gb-per-s", type=float, default=3.0,
                         help="modelled host link per direction, GB/s (0: unthrottled copies)")
+    parser.add_argument("--staleness-correction", default="",
+                        help="comma-separated staleness corrections, each timed as one more async run")
     args = parser.parse_args()
-    per_step: dict[str, list[float]] = {"sync": [], "async": []}
+    corrections = [c for c in args.staleness_correction.split(",") if c]
+    per_step: dict[str, list[float]] = {"sync": [], "async": [], **{f"async+{c}": [] for c in corrections}}
     pipeline, optimizer, predicted, thread, wait = [], [], [], [], []
     for _ in range(args.repeats):
-        for mode in ("sync", "async"):
-            clock = run(args, mode)
+        for mode in per_step:
+            clock = run(args, mode.split("+")[0], mode.split("+")[1] if "+" in mode else None)
             per_step[mode].append(clock.step_s)
             if mode == "sync":
                 pipeline += clock.pipeline_s
                 optimizer += clock.optimizer_s
                 predicted += clock.predicted_s
-            else:
+            elif mode == "async":
                 thread += clock.thread_s
                 wait += clock.wait_s
     params = args.layers * (args.hidden * args.hidden + args.hidden)
@@ -151,6 +159,9 @@ def main() -> None:
               + ", ".join(f"{v * 1e3:.1f}" for v in values) + ")")
     ratio = statistics.median(per_step["sync"]) / statistics.median(per_step["async"])
     print(f"  speed-up sync/async: {ratio:.2f}x")
+    for correction in corrections:
+        cost = statistics.median(per_step[f"async+{correction}"]) / statistics.median(per_step["async"]) - 1
+        print(f"  staleness_correction={correction!r}: step time {cost * 100:+.1f} % against plain async")
     if pipeline and optimizer:
         pipe_s, opt_s = statistics.median(pipeline), statistics.median(optimizer)
         print(f"  sync components: pipeline {pipe_s * 1e3:.1f} ms, optimizer {opt_s * 1e3:.1f} ms;"

@@ -12,6 +12,7 @@ weights and is not corrected. Clipping by norm sees the corrected gradient; a St
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -90,9 +91,11 @@ def test_reference_without_correction_is_the_stale_reference():
 @pytest.mark.parametrize("correction,devices", [
     *((correction, 2) for correction in CORRECTIONS), ("weight_prediction", 3),
     *(pytest.param(correction, 3, marks=pytest.mark.slow) for correction in CORRECTIONS[1:])])
-def test_corrected_async_equals_the_formula(correction, devices):
+def test_corrected_async_equals_the_formula(correction, devices, caplog):
     """Steady state (the default ``overlap_batches=True``), clipping and a StepLR: within 1e-6 of the
-    formula; and the correction is real (the plain stale step is over 20x further)."""
+    formula; and the correction is real (the plain stale step is over 20x further). The setup line
+    names the correction."""
+    caplog.set_level(logging.INFO)
     model, data = _case("llama")
     batches = list(loader(data))
     want = corrected_reference(model, batches, "sgd", 0.05, STEPS, correction)
@@ -104,6 +107,7 @@ def test_corrected_async_equals_the_formula(correction, devices):
           f" {max_diff(plain, want):.2e} away")
     assert max_diff(got, want) <= TOL
     assert max_diff(plain, want) > 20 * TOL
+    assert f"optimizer 'async' (staleness correction {correction!r})" in caplog.text
 
 
 @pytest.mark.parametrize("correction", CORRECTIONS)
@@ -201,3 +205,27 @@ def test_none_spellings_and_hydra():
     config = instantiate(cfg.strategy).config
     assert (config.staleness_correction, config.staleness_correction_lambda) == ("delay_compensation", 0.5)
     assert instantiate(_compose("strategy.optimizer=async").strategy).config.staleness_correction is None
+
+
+def test_the_planner_adds_the_correction_to_the_async_optimizer_op():
+    """``roundpipe plan --staleness-correction``: the async mode's ``OPT`` op takes the correction's
+    measured bytes per trainable parameter on top of Adam's (the formula of
+    ``partition.profile.STALENESS_CORRECTION_BYTES_PER_PARAM``); the sync mode's is unchanged. With a
+    slow host optimizer (1 GB/s) the async step is the ``OPT`` op, so it grows."""
+    from lightning_roundpipe.partition.profile import STALENESS_CORRECTION_BYTES_PER_PARAM
+    from test_plan_cmd import parse
+    from lightning_roundpipe.cli import plan_cmd
+
+    argv = ["plan", "--preset", "qwen3-1.7b", "--devices", "4", "--optimizer", "async", "--optimizer-gbps", "1"]
+    plain = plan_cmd.make_report(parse(argv))
+    corrected = plan_cmd.make_report(parse([*argv, "--staleness-correction", "delay_compensation"]))
+    trainable = plain.optimizer_bytes // 12  # fp32 Adam: 12 counted bytes per trainable parameter
+    assert plain.correction_bytes == 0
+    assert corrected.correction_bytes == round(trainable * STALENESS_CORRECTION_BYTES_PER_PARAM["delay_compensation"])
+    rate = plain.hardware.optimizer_bytes_per_s
+    async_opt = corrected.mode_choices["async"].prediction.optimizer_step_s
+    assert async_opt == pytest.approx((plain.optimizer_bytes + corrected.correction_bytes) / rate, rel=1e-12)
+    assert plain.mode_choices["async"].prediction.optimizer_step_s == pytest.approx(plain.optimizer_bytes / rate)
+    assert (corrected.mode_choices["sync"].prediction.optimizer_step_s
+            == plain.mode_choices["sync"].prediction.optimizer_step_s)
+    assert corrected.mode_choices["async"].prediction.step_s > plain.mode_choices["async"].prediction.step_s

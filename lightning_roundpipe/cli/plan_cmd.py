@@ -58,7 +58,9 @@ from lightning_roundpipe.partition.profile import (
     ADAM_HOST_TRAFFIC_BYTES_PER_PARAM,
     DEFAULT_HOST_MEMORY_BYTES_PER_S,
     HardwareModel,
+    STALENESS_CORRECTION_BYTES_PER_PARAM,
     optimizer_step_bytes,
+    staleness_correction_bytes,
 )
 from lightning_roundpipe.partition.fitting import fitting_candidates, modelled_peak
 from lightning_roundpipe.partition.memory import overlap_banks
@@ -120,6 +122,11 @@ class PlanReport:
     """Bytes one optimizer step touches: the trainable fp32 masters and their two Adam moments."""
     optimizer_step_s: float = 0.0
     """Seconds of one optimizer step on the host (``optimizer_bytes`` over the host's optimizer rate)."""
+    correction_bytes: int = 0
+    """Bytes (as ``optimizer_bytes``) the async mode's staleness correction adds to its optimizer step
+    (``--staleness-correction``; 0: none)."""
+    staleness_correction: str = "none"
+    """``--staleness-correction``."""
     accumulate_grad_batches: int = 1
     """Batches per optimizer step (``--accumulate-grad-batches``); ``step_s`` is per batch."""
     microbatches_per_round: int | None = None
@@ -187,6 +194,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="the run's optimizer mode (RoundPipeStrategy(optimizer=...)): `sync` (default; a step is one"
                         " pipeline plus the host's optimizer step) or `async` (the paper's steady state, weights one step"
                         " stale); the plan is chosen for it, both modes' predictions are printed (a device list: this mode's)")
+    p.add_argument("--staleness-correction", choices=["none", *STALENESS_CORRECTION_BYTES_PER_PARAM], default="none",
+                   help="`--optimizer async`'s RoundPipeStrategy(staleness_correction=...): its measured host cost is"
+                        " added to the async mode's optimizer step (partition.profile.STALENESS_CORRECTION_BYTES_PER_PARAM)")
     p.add_argument("--optimizer-gbps", type=float, default=None,
                    help="host optimizer rate: GB/s of fp32 master weights and Adam moments (12 bytes per trainable"
                         " parameter) one optimizer step gets through (default"
@@ -237,7 +247,9 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         raise PlanDoesNotFit(str(error).split(" HINT:")[0] + " "
                              + remedies_hint(fitting_remedies(given, **remedy_args, current=None))) from None
     optimizer_bytes = optimizer_step_bytes(model_param_counts(mp)[1])
-    choices = choose_modes(candidates, mp, hw, D, M, optimizer_bytes, accumulate)
+    correction = getattr(args, "staleness_correction", "none")
+    correction_bytes = staleness_correction_bytes(model_param_counts(mp)[1], None if correction == "none" else correction)
+    choices = choose_modes(candidates, mp, hw, D, M, optimizer_bytes, accumulate, correction_bytes)
     chosen = choices.get(optimizer)
     part = candidates[0][1] if chosen is None else chosen.partition
     per_round = None if chosen is None else chosen.microbatches_per_round
@@ -256,6 +268,7 @@ def make_report(args: argparse.Namespace) -> PlanReport:
         execution_plan=eplan, step_s=step_s, idle_pct=idle, predictor=predictor,
         optimizer=optimizer, mode_choices=choices, num_candidates=len(candidates), optimizer_bytes=optimizer_bytes,
         optimizer_step_s=optimizer_bytes / hw.optimizer_bytes_per_s, accumulate_grad_batches=accumulate,
+        correction_bytes=correction_bytes, staleness_correction=correction,
         microbatches_per_round=per_round,
         peak_device_memory_bytes=peak, remedies=remedies, banks=banks, stage_memory_given=args.stage_memory_gib is not None,
         max_seq_len=longest_sequence(lambda s: modelled(s, args.microbatch_size), layer_budget),
@@ -284,11 +297,11 @@ def longest_sequence(modelled: Callable[[int], ModelledProfiles], stage_memory_b
 
 def choose_modes(candidates: Sequence[tuple[str, PartitionPlan]], mp: ModelledProfiles, hw: HardwareModel,
                  num_devices: int, num_microbatches: int, optimizer_bytes: int,
-                 accumulate_grad_batches: int = 1) -> dict:
+                 accumulate_grad_batches: int = 1, async_extra_bytes: int = 0) -> dict:
     """Per optimizer mode, the candidate (each with one round or, when ``M > D > 1``, rounds of D
     microbatches, as the paper's artifact runs) the simulator times fastest in that mode
     (:func:`~lightning_roundpipe.simulate.steady.choose_for_mode`); ``{}`` when the simulator is
-    unavailable."""
+    unavailable. ``async_extra_bytes``: added to the async mode's ``OPT`` op (a staleness correction)."""
     try:
         importlib.import_module("lightning_roundpipe.simulate.engine")  # the event simulator itself
         from lightning_roundpipe.simulate.steady import choose_for_mode
@@ -296,7 +309,8 @@ def choose_modes(candidates: Sequence[tuple[str, PartitionPlan]], mp: ModelledPr
         return {}
     rounds = [None] + ([num_devices] if num_microbatches > num_devices > 1 else [])
     return {mode: choose_for_mode(candidates, mp.profiles, hw, num_devices, num_microbatches, optimizer=mode,
-                                  optimizer_bytes=optimizer_bytes, round_options=rounds,
+                                  optimizer_bytes=optimizer_bytes + (async_extra_bytes if mode == "async" else 0),
+                                  round_options=rounds,
                                   accumulate_grad_batches=accumulate_grad_batches) for mode in MODES}
 
 
@@ -392,6 +406,9 @@ def _mode_table(r: PlanReport) -> list[str]:
     accumulate = f", every {r.accumulate_grad_batches} batches" if r.accumulate_grad_batches > 1 else ""
     lines = ["", f"optimizer step on the host: {r.optimizer_bytes / 1e9:.3g} GB of fp32 masters and Adam moments at"
                  f" {rate / 1e9:.3g} GB/s ({source}) = {r.optimizer_step_s:.3f} s{accumulate}",
+             *([f"async with staleness_correction={r.staleness_correction!r}: + {r.correction_bytes / 1e9:.3g} GB counted"
+                f" = {r.correction_bytes / rate:.3f} s more per optimizer step (benchmarks/staleness_cost.py)"]
+               if r.correction_bytes else []),
              f"{'mode':<8} {'plan for the mode':<34} {'step s':>8} {'tokens/s':>10} {'mean idle %':>12}"]
     for mode in MODES:
         choice = r.mode_choices[mode]

@@ -26,8 +26,10 @@ Lightning's training loop:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,6 +38,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_roundpipe.config import OPTIMIZER_MODES  # validated in RoundPipeConfig
+from lightning_roundpipe.runtime.backends.threads import limit_this_thread
 from lightning_roundpipe.runtime.host.async_optimizer import BackgroundStepper
 from lightning_roundpipe.runtime.host.staleness import StalenessCorrection, make_staleness_correction
 from lightning_roundpipe.runtime.execution.installed import InstalledMethod
@@ -131,6 +134,7 @@ class AsyncOptimizer:
         self._bank_updates = [0, 0]
         self._forward_updates: int | None = None  # the steady state: the snapshot of the fused program just issued
         self._snapshot_plain = True  # the snapshot is the masters (not predicted)
+        self._cpu = False  # CPU virtual devices: the main thread's correction runs on one intra-op thread
 
     # ------------------------------------------------------------------ install / uninstall
     def install(self, trainer: Any, lightning_module: Any, optimizers: list, engine: Any,
@@ -150,6 +154,7 @@ class AsyncOptimizer:
         # intra-op thread (an OpenMP team would wait for cores the devices hold)
         cpu = all(d.type == "cpu" for d in engine.devices)
         self.stepper = BackgroundStepper(niceness=10 if cpu else None, intra_op_threads=1 if cpu else None)
+        self._cpu = cpu
         engine.store.snapshot = True
         engine.store.refresh(force=True)
         engine.grad_barrier = self.wait
@@ -276,8 +281,9 @@ class AsyncOptimizer:
                                    " pipeline uploads from (internal error; please report it).")
             self._refresh_on_thread(store, predict)
         elif predict:
-            for key in store.snapshot_keys():
-                store.refresh_entry(key, self.correction.predicted(store.tensors[key].master))
+            with self._one_intra_op_thread():
+                for key in store.snapshot_keys():
+                    store.refresh_entry(key, self._predicted(store.tensors[key].master))
         else:
             store.refresh(force=True)
         self._snapshot_lag = 0
@@ -301,8 +307,10 @@ class AsyncOptimizer:
         def refresh() -> None:
             try:
                 for key in keys:
-                    store.copy_to_bank(key, bank, self.correction.predicted(store.tensors[key].master) if predict
-                                       else None)
+                    if predict:
+                        store.copy_to_bank(key, bank, self._predicted(store.tensors[key].master))
+                    else:
+                        store.copy_to_bank(key, bank)
                     events[key].set()
             finally:
                 release()  # a failed copy raises at the next wait; the uploads must not hang meanwhile
@@ -357,8 +365,32 @@ class AsyncOptimizer:
         """The step's gradient is complete (every update before it applied): correct it if its
         snapshot lacked an update, then the plugin's ``on_before_optimizer_step`` hooks and clipping."""
         if self.correction is not None:
-            self.correction.correct_gradients(stale=self._updates > snapshot_updates)
+            start = time.perf_counter()
+            with self._one_intra_op_thread():
+                self.correction.correct_gradients(stale=self._updates > snapshot_updates)
+            self.stepper.count_step_time(time.perf_counter() - start)  # part of the host's `OPT` op
         original_after(model, optimizer)
+
+    @contextlib.contextmanager
+    def _one_intra_op_thread(self):
+        """On CPU virtual devices, the main thread's correction on one intra-op thread (as the optimizer
+        thread's step): an OpenMP team there waits for cores the devices' threads hold (30x slower
+        seen on a loaded 2-core machine)."""
+        previous = torch.get_num_threads() if self._cpu else None
+        if previous is not None:
+            limit_this_thread(1)
+        try:
+            yield
+        finally:
+            if previous is not None:
+                limit_this_thread(previous)
+
+    def _predicted(self, master: torch.Tensor) -> torch.Tensor | None:
+        """The correction's predicted weights for ``master``, the time counted in the `OPT` op."""
+        start = time.perf_counter()
+        value = self.correction.predicted(master)
+        self.stepper.count_step_time(time.perf_counter() - start)
+        return value
 
     def correction_state(self) -> dict | None:
         """The staleness correction's state for a checkpoint (after a wait), ``None`` without one."""

@@ -100,6 +100,29 @@ def optimizer_step_bytes(trainable_params: int, master_bytes: int = 4, states: i
     return int(trainable_params) * int(master_bytes) * (1 + int(states))
 
 
+#: Bytes per trainable parameter that a staleness correction of ``optimizer="async"`` adds to one
+#: optimizer step, in the unit :func:`optimizer_step_bytes` counts (fp32 Adam: 12): its measured host
+#: time as a share of the ``OPT`` op (clipping + ``AdamW(fused=True)`` + bf16 refresh) times 12, by
+#: ``python benchmarks/staleness_cost.py`` (16 M parameters, 1 thread; docs/usage.md, *Sync or async?*).
+STALENESS_CORRECTION_BYTES_PER_PARAM = {"weight_prediction": 7.5, "delay_compensation": 10.0,
+                                        "gradient_extrapolation": 8.2}
+
+
+def staleness_correction_bytes(trainable_params: int, correction: str | None) -> int:
+    """Bytes (as :func:`optimizer_step_bytes` counts them) the staleness ``correction`` adds to one
+    asynchronous optimizer step (:data:`STALENESS_CORRECTION_BYTES_PER_PARAM`; 0 for ``None``).
+
+    Raises:
+        ValueError: an unknown ``correction``.
+    """
+    if correction is None:
+        return 0
+    if correction not in STALENESS_CORRECTION_BYTES_PER_PARAM:
+        raise ValueError(f"`staleness_correction` must be one of {[None, *STALENESS_CORRECTION_BYTES_PER_PARAM]},"
+                         f" got {correction!r}. HINT: None for the paper's one-step-stale update.")
+    return int(round(int(trainable_params) * STALENESS_CORRECTION_BYTES_PER_PARAM[correction]))
+
+
 @dataclass(frozen=True, kw_only=True)
 class HardwareModel:
     """One device and its link to host memory.

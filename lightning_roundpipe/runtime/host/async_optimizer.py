@@ -117,6 +117,13 @@ class BackgroundStepper:
 
         self._done.append(self._thread.submit(job))
 
+    def count_step_time(self, seconds: float) -> None:
+        """Add ``seconds`` of optimizer work run elsewhere (a staleness correction of the gradient in
+        the main thread, a weight prediction in a snapshot refresh) to :attr:`step_busy_s`, so the
+        host's measured optimizer rate includes it."""
+        with self._lock:
+            self.step_busy_s += seconds
+
     def wait(self, raise_errors: bool = True) -> None:
         """Block until every submitted job has run.
 

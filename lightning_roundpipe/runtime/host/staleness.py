@@ -6,7 +6,8 @@ correction runs, ``W_prev`` for the masters before the latest update and ``g_pre
 step's gradient. A *stale* step is one whose weights lack the latest update (every step but the first
 of a fit and the first after a validation, whose snapshot is the current weights); only stale steps
 are corrected. Each correction keeps one fp32 tensor per trainable parameter (4 bytes/parameter of
-host memory for fp32 masters) and moves no byte over PCIe:
+host memory for fp32 masters), plus one scratch tensor the size of the largest parameter, and moves no
+byte over PCIe:
 
 - ``"weight_prediction"``: the snapshot a stale step computes on is ``W + (W - W_prev)``, the linear
   extrapolation of the weights by the last update, instead of ``W``; the optimizer still steps the
@@ -23,8 +24,8 @@ host memory for fp32 masters) and moves no byte over PCIe:
   arXiv 2606.30634 (unread here): a delay-error-feedback that adds next step the difference between
   the update taken and the fresh one must estimate that fresh update the same way, and applying the
   estimate one step later than it is known only lags it, so the extrapolation itself is the sound
-  one-step-stale form. Keeps ``g_prev`` (the previous step's uncorrected gradient, after a step the
-  optimizer really took: a skipped inf step leaves it).
+  one-step-stale form. Keeps ``g_prev`` (the previous step's uncorrected gradient; after a step the
+  optimizer skipped, e.g. inf gradients under ``16-mixed``, the next step is not corrected).
 
 The gradient corrections run in the main thread once a step's gradient is complete, before
 ``on_before_optimizer_step`` and gradient clipping (which see the corrected gradient, as the
@@ -75,7 +76,8 @@ class StalenessCorrection:
             param.detach().clone() if keeps_weights else None for param in self.params]
         """Per parameter, ``W_prev`` (``weight_prediction``, ``delay_compensation``; ``W_0`` before the
         first update) or ``g_prev`` (``gradient_extrapolation``; ``None`` before a first gradient)."""
-        self._pending: list[torch.Tensor | None] | None = None  # gradients of the step not handed over yet
+        self._previous_usable = True  # g_prev is a gradient the optimizer applied (gradient_extrapolation)
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}  # one buffer per dtype, the largest parameter's size
 
     @property
     def predicts_weights(self) -> bool:
@@ -83,10 +85,17 @@ class StalenessCorrection:
         return self.kind == "weight_prediction"
 
     def state_bytes(self) -> int:
-        """Host bytes the correction keeps (its tensors; 4 bytes per fp32 parameter once filled)."""
-        if self.kind == "gradient_extrapolation":
-            return sum(param.numel() * param.element_size() for param in self.params)
+        """Host bytes the correction keeps (its tensors: 4 bytes per fp32 parameter once filled; the
+        scratch buffer not counted)."""
         return sum(t.numel() * t.element_size() for t in self.previous if t is not None)
+
+    def _scratch_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A scratch tensor of ``tensor``'s shape and dtype (valid until the next call)."""
+        buffer = self._scratch.get(tensor.dtype)
+        if buffer is None or buffer.numel() < tensor.numel():
+            largest = max(p.numel() for p in self.params if p.dtype == tensor.dtype) if self.params else 0
+            buffer = self._scratch[tensor.dtype] = torch.empty(max(largest, tensor.numel()), dtype=tensor.dtype)
+        return buffer[:tensor.numel()].view(tensor.shape)
 
     # ------------------------------------------------------------------ the three moments
     @torch.no_grad()
@@ -99,42 +108,45 @@ class StalenessCorrection:
 
     @torch.no_grad()
     def predicted(self, master: torch.Tensor) -> torch.Tensor | None:
-        """``W + (W - W_prev)`` for ``master`` (a new tensor of its dtype and shape), under
-        ``"weight_prediction"``; ``None`` otherwise or for a tensor the correction does not track."""
+        """``W + (W - W_prev)`` for ``master`` (in a scratch tensor of its dtype and shape, valid until
+        the next call: copy it at once), under ``"weight_prediction"``; ``None`` otherwise or for a
+        tensor the correction does not track. One thread at a time."""
         index = self._index.get(id(master))
         if not self.predicts_weights or index is None:
             return None
         weights = master.detach()
-        return weights + (weights - self.previous[index])
+        return torch.sub(weights, self.previous[index], out=self._scratch_like(weights)).add_(weights)
 
     @torch.no_grad()
     def correct_gradients(self, stale: bool) -> None:
         """Correct each parameter's ``.grad`` in place (the step's complete gradient; parameters
         without one are left out), if ``stale``; ``gradient_extrapolation`` also keeps the
-        uncorrected gradient for :meth:`commit`. Main thread, no optimizer step in flight."""
+        uncorrected gradient as the next ``g_prev``. Main thread, no optimizer step in flight."""
         if self.kind == "gradient_extrapolation":
-            self._pending = []
-            for param, previous in zip(self.params, self.previous):
-                grad = param.grad
+            usable = stale and self._previous_usable
+            for index, param in enumerate(self.params):
+                grad, previous = param.grad, self.previous[index]
                 if grad is None:
-                    self._pending.append(None)
                     continue
-                raw = grad.detach().clone()
-                if stale and previous is not None:
-                    grad.add_(raw - previous)
-                self._pending.append(raw)
+                if previous is None or previous.shape != grad.shape:
+                    self.previous[index] = grad.detach().clone()
+                elif usable:
+                    difference = torch.sub(grad, previous, out=self._scratch_like(grad))
+                    previous.copy_(grad)
+                    grad.add_(difference)
+                else:
+                    previous.copy_(grad)
         elif self.kind == "delay_compensation" and stale and self.dc_lambda > 0:
             for param, previous in zip(self.params, self.previous):
                 grad = param.grad
                 if grad is not None:
-                    grad.addcmul_(grad * grad, param.detach() - previous, value=self.dc_lambda)
+                    moved = torch.sub(param.detach(), previous, out=self._scratch_like(grad)).mul_(grad)
+                    grad.addcmul_(moved, grad, value=self.dc_lambda)
 
     def commit(self, updated: bool) -> None:
-        """After the step's hooks: ``g_prev`` becomes the step's uncorrected gradient if the
-        optimizer takes the step (``updated``), else stays (a skipped inf step)."""
-        pending, self._pending = self._pending, None
-        if updated and pending is not None:
-            self.previous = [new if new is not None else old for new, old in zip(pending, self.previous)]
+        """After the step's hooks: whether the optimizer takes the step (``updated``); a skipped
+        step's gradient (e.g. inf) is no ``g_prev`` to extrapolate from."""
+        self._previous_usable = updated
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -152,6 +164,7 @@ class StalenessCorrection:
         """
         if not isinstance(state, dict) or state.get("kind") != self.kind:
             return False
+        self._previous_usable = True
         tensors = state.get("tensors", {})
         for index, (name, param) in enumerate(zip(self.names, self.params)):
             saved = tensors.get(name)
