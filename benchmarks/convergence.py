@@ -31,8 +31,8 @@ per setup, optimizer and learning rate, per mode: the validation loss at 25/50/1
 seeds' mean curve; those steps times the step time ``roundpipe plan --optimizer sync|async`` predicts for the
 model on 8 x RTX 4090 (the planner's defaults: 165 TFLOP/s, 24 GiB, 25 GB/s; bf16; one microbatch per
 sequence, ``--batch-size`` microbatches of ``--seq-len`` tokens, so a planned step is a benchmark step);
-a corrected mode is timed as plain async (the correction's host cost is not in the planner: see the note
-printed). Runs already in ``runs.jsonl`` with the same settings are reused (``--fresh`` re-runs them), so
+a corrected mode ``async+X`` with ``roundpipe plan --optimizer async --staleness-correction X`` (the correction's
+host cost added to the optimizer step), or, with a planner that lacks it, at plain async's step (a note says so). Runs already in ``runs.jsonl`` with the same settings are reused (``--fresh`` re-runs them), so
 corrections can be added later to the same table.
 
 Run (from the repository root)::
