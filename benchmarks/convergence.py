@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -287,6 +288,9 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         # the y range of the steps from 25 % on (before, a random init's loss falls from ~ln(vocab): off the scale)
         later = [loss for mode_runs in modes.values() for run in mode_runs
                  for step, loss in zip(run["steps"], run["val_loss"]) if step >= run["total_steps"] / 4]
+        # a diverging seed's losses (and a diverged one's NaN) would squash the other curves: the best 90 %
+        finite = sorted(loss for loss in later if math.isfinite(loss))
+        later = finite[:max(1, -(-len(finite) * 9 // 10))] if finite else [0.0, 1.0]
         margin = 0.05 * (max(later) - min(later)) + 0.01
         ax.set_ylim(min(later) - margin, max(later) + margin)
         ax.grid(alpha=0.3)

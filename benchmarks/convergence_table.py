@@ -24,29 +24,35 @@ TARGET_RULES = ("all-reach", "sync-final")
 
 @dataclass(frozen=True)
 class Spread:
-    """Mean, minimum and maximum of a value over seeds."""
+    """Mean, minimum and maximum of a value over seeds; a seed whose loss is not finite (NaN or inf: the run
+    diverged) counts as ``inf``, so the mean of a mode with a diverged seed is ``inf``."""
 
     mean: float
     low: float
     high: float
     count: int
+    diverged: int = 0
 
     def __str__(self) -> str:
+        if self.diverged:
+            return f"diverged {self.diverged}/{self.count}"
         if self.count < 2:
             return f"{self.mean:.3f}"
         return f"{self.mean:.3f} [{self.low:.3f},{self.high:.3f}]"
 
 
 def spread(values: Iterable[float]) -> Spread:
-    """Mean, min and max of ``values`` (one per seed).
+    """Mean, min and max of ``values`` (one per seed; NaN and inf count as ``inf``, a diverged run).
 
     Raises:
         ValueError: if ``values`` is empty.
     """
-    values = [float(v) for v in values]
+    values = [float(v) if math.isfinite(float(v)) else math.inf for v in values]
     if not values:
         raise ValueError("`values` is empty. HINT: a mode needs at least one finished run (seed).")
-    return Spread(statistics.fmean(values), min(values), max(values), len(values))
+    diverged = sum(1 for v in values if v == math.inf)
+    mean = math.inf if diverged else statistics.fmean(values)
+    return Spread(mean, min(values), max(values), len(values), diverged)
 
 
 def interpolate(steps: Sequence[int], losses: Sequence[float], step: float) -> float:
@@ -83,7 +89,7 @@ def mean_curve(runs: Sequence[Mapping]) -> tuple[list[int], list[float]]:
     common = sorted(set.intersection(*(set(run["steps"]) for run in runs)))
     if not common:
         raise ValueError("the runs share no evaluated step. HINT: run them with the same `--eval-every`.")
-    means = [statistics.fmean(run["val_loss"][list(run["steps"]).index(step)] for run in runs) for step in common]
+    means = [spread(run["val_loss"][list(run["steps"]).index(step)] for run in runs).mean for step in common]
     return common, means
 
 
@@ -91,9 +97,9 @@ def gap_closed(loss_sync: float, loss_async: float, loss_corrected: float, min_g
     """The share of the sync-async loss gap a correction closes at equal steps:
     ``(loss_async - loss_corrected) / (loss_async - loss_sync)``; 1 is sync's loss, 0 plain async's,
     negative worse than plain async. ``None`` when async is not worse than sync by more than
-    ``min_gap`` (no gap to close: the ratio would be noise)."""
+    ``min_gap`` (no gap to close: the ratio would be noise), or when sync or async diverged (``inf``)."""
     gap = loss_async - loss_sync
-    if not gap > max(min_gap, 0.0):
+    if not math.isfinite(gap) or not gap > max(min_gap, 0.0):  # also: a mode diverged (inf)
         return None
     return (loss_async - loss_corrected) / gap
 
@@ -113,14 +119,17 @@ def steps_to_target(steps: Sequence[int], losses: Sequence[float], target: float
 def target_loss(final_means: Mapping[str, float], rule: str = "all-reach") -> float:
     """The target validation loss of a group from each mode's final mean loss.
 
-    ``"all-reach"``: the highest final mean loss among the modes, so every mode reaches it within the run;
-    ``"sync-final"``: sync's final mean loss (a mode worse than sync may not reach it).
+    ``"all-reach"``: the highest finite final mean loss among the modes, so every mode that did not diverge
+    reaches it within the run; ``"sync-final"``: sync's final mean loss (a mode worse than sync may not reach it).
 
     Raises:
-        ValueError: for an unknown ``rule``, or ``"sync-final"`` without a sync run.
+        ValueError: for an unknown ``rule``, ``"sync-final"`` without a sync run, or no finite final loss.
     """
     if rule == "all-reach":
-        return max(final_means.values())
+        finite = [value for value in final_means.values() if math.isfinite(value)]
+        if not finite:
+            raise ValueError("every mode diverged: no target loss. HINT: a lower learning rate.")
+        return max(finite)
     if rule == "sync-final":
         if "sync" not in final_means:
             raise ValueError("the target rule `sync-final` needs the `sync` mode. HINT: `--target-rule all-reach`.")

@@ -110,6 +110,24 @@ def test_mode_rows_by_hand():
     assert {row.mode: row.gaps for row in rows}["async+x"] == pytest.approx((0.6, 0.6, 0.6))
 
 
+def test_a_diverged_seed():
+    """A seed whose loss went NaN or inf counts as diverged: the mode's mean is inf, the table says
+    "diverged k/n", the target ignores it and the mode never reaches it; no gap share against it."""
+    s = table.spread([7.0, math.nan, 8.0])
+    assert (s.mean, s.low, s.high, s.diverged) == (math.inf, 7.0, math.inf, 1)
+    assert str(s) == "diverged 1/3"
+    assert table.target_loss({"sync": 7.5, "async": math.inf}) == 7.5
+    assert table.gap_closed(7.5, math.inf, 7.6) is None
+    runs = [_run("sync", 0, [5, 4, 3, 2, 1.0]), _run("async", 0, [5, 4.5, 9.0, 50.0, math.nan]),
+            _run("async+x", 0, [5, 4.2, 3.2, 2.2, 1.4])]
+    target, rows = table.mode_rows(table.group_runs(runs)[("b", "adamw", 1e-3)])
+    assert target == 1.4  # the highest finite final mean (async+x's)
+    by_mode = {row.mode: row for row in rows}
+    assert by_mode["async"].steps_to_target is None and str(by_mode["async"].losses[2]) == "diverged 1/1"
+    assert by_mode["async+x"].gaps[2] is None  # no share of an infinite gap
+    assert "diverged 1/1" in table.format_table(runs)
+
+
 @pytest.mark.parametrize("correction", [None, *(pytest.param(name, marks=pytest.mark.slow) for name in
                                               ("weight_prediction", "delay_compensation", "gradient_extrapolation"))])
 def test_weight_snapshots_read_w_j_without_changing_the_async_run(correction):
