@@ -284,11 +284,13 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     cols = min(4, len(groups))
     rows = -(-len(groups) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    colors = {"sync": "C0", "async": "C1"}
     for ax, ((setup, optimizer, lr), modes) in zip(axes.flat, groups.items()):
         for mode, mode_runs in modes.items():
             steps, mean = mean_curve(mode_runs)
             curves = [[run["val_loss"][list(run["steps"]).index(s)] for s in steps] for run in mode_runs]
-            line, = ax.plot(steps, mean, label=f"{mode} ({len(mode_runs)} seeds)", lw=1.4)
+            line, = ax.plot(steps, mean, label=f"{mode} ({len(mode_runs)} seeds)", lw=1.4,
+                            color=colors.setdefault(mode, f"C{len(colors)}"))  # one colour per mode in every panel
             ax.fill_between(steps, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)],
                             color=line.get_color(), alpha=0.18, lw=0)
         ax.set_title(f"{setup}: {SETUP_NAMES.get(setup, setup)}\n{optimizer} lr={lr:g}", fontsize=9)
@@ -300,8 +302,11 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         # a diverging seed's losses (and a diverged one's NaN) would squash the other curves: the best 90 %
         finite = sorted(loss for loss in later if math.isfinite(loss))
         later = finite[:max(1, -(-len(finite) * 9 // 10))] if finite else [0.0, 1.0]
-        margin = 0.05 * (max(later) - min(later)) + 0.01
-        ax.set_ylim(min(later) - margin, max(later) + margin)
+        sync_later = [loss for run in modes.get("sync", ()) for step, loss in zip(run["steps"], run["val_loss"])
+                      if step >= run["total_steps"] / 4 and math.isfinite(loss)]
+        top = min(max(later), max(sync_later) + 1.0) if sync_later else max(later)  # a diverging mode: clipped
+        margin = 0.05 * (top - min(later)) + 0.01
+        ax.set_ylim(min(later) - margin, top + margin)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(groups):]:
