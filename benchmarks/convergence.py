@@ -46,7 +46,8 @@ Wall time (one process; measured on 2 cores shared with 3 other sessions' test r
 setup a (16 steps, 135M parameters, 12-22 s per step) takes 220-390 s, of setup b (48 steps) 26 s at load ~1
 (0.5 s per step) to 220 s. The default grid (a: 2 optimizers x 5 modes x 3 seeds = 30 runs; b: 6 learning
 rates x 5 modes x 3 seeds = 90 runs; ``error_feedback`` is refused by the current strategy) is then about
-5 hours on such a shared machine and about 1.2 hours on an idle 2-core one; ``--quick`` took 11 minutes under
+5 hours on such a shared machine and about 1.2 hours on an idle 2-core one (estimated from the runs above); the
+smoke test's ``--quick`` (6 runs) took 11 minutes under
 load (``tests/test_convergence_benchmark.py::test_quick_run``). Runs split over processes with
 ``--setups``/``--optimizers``/``--first-seed`` share ``--out`` (each appends its runs; ``--table-only`` joins them).
 """
