@@ -57,31 +57,33 @@ _COLLECTOR_LOCK = threading.Lock()
 _COLLECTOR_HOLDS = [0, False]  # threads inside generator_state, whether the collector was on at the first
 
 
-@contextlib.contextmanager
-def collector_paused():
-    """Keep Python's cyclic garbage collector from starting in any thread meanwhile (counted across
-    threads; the collector is turned back on by the last thread out, and only if it was on)."""
+def _pause_collector() -> None:
     with _COLLECTOR_LOCK:
         if _COLLECTOR_HOLDS[0] == 0:
             _COLLECTOR_HOLDS[1] = gc.isenabled()
             gc.disable()
         _COLLECTOR_HOLDS[0] += 1
-    try:
-        yield
-    finally:
-        with _COLLECTOR_LOCK:
-            _COLLECTOR_HOLDS[0] -= 1
-            if _COLLECTOR_HOLDS[0] == 0 and _COLLECTOR_HOLDS[1]:
-                gc.enable()
+
+
+def _resume_collector() -> None:
+    with _COLLECTOR_LOCK:
+        _COLLECTOR_HOLDS[0] -= 1
+        if _COLLECTOR_HOLDS[0] == 0 and _COLLECTOR_HOLDS[1]:
+            gc.enable()
 
 
 def generator_state(generator: torch.Generator) -> torch.Tensor:
     """``generator.get_state()`` (a ``uint8`` tensor: 5056 bytes for the CPU generator, 16 for a
-    CUDA one) with the garbage collector paused, so the read cannot deadlock with another thread's
-    (see the module docstring).
+    CUDA one) with Python's cyclic garbage collector kept from starting meanwhile, in any thread
+    (counted across threads; turned back on by the last thread out, and only if it was on), so the
+    read cannot deadlock with another thread's (see the module docstring). About 3 us more than
+    ``get_state`` (8 us with a ``contextmanager``).
     """
-    with collector_paused():
+    _pause_collector()
+    try:
         return generator.get_state()
+    finally:
+        _resume_collector()
 
 
 @contextlib.contextmanager
