@@ -435,9 +435,13 @@ class RoundPipeConfig:
                 raise ValueError(f"`peak_flops` must be a finite number of FLOP/s > 0 per device, or None, got {peak!r}."
                                  " HINT: 165.2e12 is an RTX 4090's dense bf16 peak; None looks known GPUs up by name.")
             object.__setattr__(self, "peak_flops", float(peak))
+        if isinstance(self.frozen_weights, str) and self.frozen_weights.strip().lower() in ("none", "null"):
+            object.__setattr__(self, "frozen_weights", None)  # as `staleness_correction` reads "none"
         if self.frozen_weights not in FROZEN_WEIGHT_MODES:
             near = self.frozen_weights.strip().lower() if isinstance(self.frozen_weights, str) else None
             hint = (f"use {near!r} (lowercase)" if near is not None and near in FROZEN_WEIGHT_MODES else
+                    "use None (the default): the base stays as loaded, which `roundpipe plan --frozen-weights"
+                    " bf16` models" if near in ("bf16", "bfloat16", "fp16", "fp32") else
                     "'fp8' holds the frozen matmul weights (a LoRA base) in fp8 with per-channel scales, 'nf4' in"
                     " bitsandbytes' 4-bit NormalFloat; None (the default) keeps them in the compute dtype")
             raise ValueError(f"`frozen_weights` must be one of {list(FROZEN_WEIGHT_MODES)}, got {self.frozen_weights!r}."

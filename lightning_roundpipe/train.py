@@ -51,6 +51,13 @@ _OPENMP_LINES = {
             " HINT: `export OMP_WAIT_POLICY=PASSIVE` before starting Python.",
 }
 
+import logging
+
+# bitsandbytes (imported by PEFT whenever it is installed) warns at import, on CPUs with AVX512-BF16, that an
+# optional kernel from the Hugging Face hub could not be loaded; it falls back to its own kernel, the job needs
+# neither the hub nor that kernel, and the line reads like a required action. The app keeps it out of its log.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 

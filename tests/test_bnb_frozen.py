@@ -277,7 +277,8 @@ def test_nf4_lora_checkpoint_holds_only_trainables_and_host_bytes(tmp_path):
         module.state_dict()
 
 
-@pytest.mark.parametrize("value,hint", [("NF4", "use 'nf4'"), ("int4", "'nf4' in bitsandbytes"), (4, "'nf4' in")])
+@pytest.mark.parametrize("value,hint", [("NF4", "use 'nf4'"), ("int4", "'nf4' in bitsandbytes"), (4, "'nf4' in"),
+                                        ("bf16", "use None (the default): the base stays as loaded")])
 def test_invalid_frozen_weights(value, hint):
     with pytest.raises(ValueError, match=r"`frozen_weights` must be one of \[None, 'fp8', 'nf4'\]") as error:
         lightning_roundpipe.RoundPipeStrategy(frozen_weights=value)
@@ -408,3 +409,9 @@ def test_smollm2_lora_nf4_base_loss_within_3_percent_of_unconverted_base(tmp_pat
     assert "frozen_weights='nf4': 210 frozen matmul weights" in out, out[-3000:]
     assert nf4_after < nf4_before - 0.05 and base_after < base_before - 0.05
     assert abs(nf4_after / base_after - 1) <= 0.03, (nf4_after, base_after, precision)
+
+
+@pytest.mark.parametrize("value", ["none", "None", "null"])
+def test_frozen_weights_none_as_text_is_the_default(value):
+    """`"none"` reads as None, as `staleness_correction` reads it (a user's `frozen_weights="none"` raised)."""
+    assert lightning_roundpipe.RoundPipeStrategy(frozen_weights=value).config.frozen_weights is None

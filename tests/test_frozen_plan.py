@@ -249,6 +249,9 @@ def test_plan_without_the_flag_prints_no_comparison(capsys):
 @pytest.mark.parametrize("argv,message", [
     ([*PLAN, "--frozen-weights", "q4"], "`--frozen-weights` must be one of ['bf16', 'fp8', 'nf4', 'int8'], got 'q4'"),
     ([a for a in PLAN if a != "--lora"] + ["--frozen-weights", "nf4"], "`--frozen-weights nf4` needs `--lora`"),
+    # the strategy refuses a correction without optimizer="async"; so does the planner (it took it silently)
+    ([*PLAN, "--staleness-correction", "weight_prediction"], "`--staleness-correction weight_prediction` needs `--optimizer async`"),
+    ([*PLAN, "--optimizer", "sync", "--staleness-correction", "gradient_extrapolation"], "needs `--optimizer async`"),
 ])
 def test_bad_frozen_weights_exit_2_with_a_hint(argv, message, capsys):
     assert main(argv) == 2

@@ -154,6 +154,11 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"`--accumulate-grad-batches` must be an int >= 1, got {accumulate!r}. HINT: 1 steps the"
                          " optimizer after every batch.")
+    correction = getattr(args, "staleness_correction", "none")
+    if correction not in (None, "none") and optimizer != "async":
+        raise ValueError(f"`--staleness-correction {correction}` needs `--optimizer async` (as the strategy's"
+                         " `staleness_correction` needs `optimizer='async'`): the synchronous step is not stale."
+                         " HINT: add `--optimizer async`, or leave out `--staleness-correction`.")
     method = getattr(args, "method", "auto")
     if method not in METHOD_CHOICES:
         raise ValueError(f"`--method` must be one of {list(METHOD_CHOICES)}, got {method!r}.")
