@@ -441,7 +441,7 @@ class RoundPipeConfig:
             near = self.frozen_weights.strip().lower() if isinstance(self.frozen_weights, str) else None
             hint = (f"use {near!r} (lowercase)" if near is not None and near in FROZEN_WEIGHT_MODES else
                     "use None (the default): the base stays as loaded, which `roundpipe plan --frozen-weights"
-                    " bf16` models" if near in ("bf16", "bfloat16", "fp16", "fp32") else
+                    " bf16` models" if near in ("bf16", "bfloat16") else
                     "'fp8' holds the frozen matmul weights (a LoRA base) in fp8 with per-channel scales, 'nf4' in"
                     " bitsandbytes' 4-bit NormalFloat; None (the default) keeps them in the compute dtype")
             raise ValueError(f"`frozen_weights` must be one of {list(FROZEN_WEIGHT_MODES)}, got {self.frozen_weights!r}."
