@@ -413,15 +413,18 @@ class RoundPipeConfig:
                                  f" {MIN_RELATIVE_SPEED} of each other, e.g. [1.0, 0.25], or leave the slow device out.")
             object.__setattr__(self, "cpu_device_speeds", tuple(float(v) for v in speeds))
         if not isinstance(self.dispatch, str) or self.dispatch not in DISPATCH_MODES:
-            raise ValueError(f"`dispatch` must be one of {list(DISPATCH_MODES)}, got {self.dispatch!r}. HINT: 'auto'"
-                             " keeps the round robin unless the simulator times the weighted dispatch faster on"
-                             " devices of unequal speed or memory.")
+            near = self.dispatch.strip().lower() if isinstance(self.dispatch, str) else None
+            hint = (f"use {near!r} (lowercase)" if near in DISPATCH_MODES else
+                    "'auto' keeps the round robin unless the simulator times the weighted dispatch faster on devices"
+                    " of unequal speed or memory")
+            raise ValueError(f"`dispatch` must be one of {list(DISPATCH_MODES)}, got {self.dispatch!r}. HINT: {hint}.")
         if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZER_MODES:
-            raise ValueError(
-                f"`optimizer` must be one of {list(OPTIMIZER_MODES)}, got {self.optimizer!r}. HINT: 'sync' (default)"
-                " keeps Lightning's exact semantics; 'async' overlaps the CPU optimizer step with the next step's"
-                " pipeline (weights one step stale, RoundPipe paper section 4)."
-            )
+            near = self.optimizer.strip().lower() if isinstance(self.optimizer, str) else None
+            hint = (f"use {near!r} (lowercase)" if near in OPTIMIZER_MODES else
+                    "'sync' (default) keeps Lightning's exact semantics; 'async' overlaps the CPU optimizer step with"
+                    " the next step's pipeline (weights one step stale, RoundPipe paper section 4)")
+            raise ValueError(f"`optimizer` must be one of {list(OPTIMIZER_MODES)}, got {self.optimizer!r}. HINT: {hint};"
+                             " from the command line `strategy.optimizer=async`.")
         self._check_staleness_correction()
 
         every = self.trace_every_n_steps
@@ -475,13 +478,20 @@ class RoundPipeConfig:
         if correction is not None and self.optimizer != "async":
             raise ValueError(f"`staleness_correction={correction!r}` corrects the one-step-stale update of"
                              f" `optimizer='async'`, but `optimizer={self.optimizer!r}` has no stale step. HINT: pass"
-                             " `optimizer='async'` too, or leave `staleness_correction=None`.")
+                             " `optimizer='async'` too (command line: `strategy.optimizer=async`), or leave"
+                             " `staleness_correction=None`.")
         object.__setattr__(self, "staleness_correction", correction)
         lam = self.staleness_correction_lambda
         if not _is_number(lam) or not 0 <= lam < math.inf:
             raise ValueError(f"`staleness_correction_lambda` must be a finite number >= 0, got {lam!r}. HINT:"
                              f" {DEFAULT_STALENESS_LAMBDA} (the default) for DC-ASGD's `lambda`; 0 turns the delay"
                              " compensation off.")
+        if float(lam) != DEFAULT_STALENESS_LAMBDA and correction != "delay_compensation":
+            raise ValueError(f"`staleness_correction_lambda={lam!r}` is read only by"
+                             f" `staleness_correction='delay_compensation'`, but `staleness_correction={correction!r}`:"
+                             " the value would be ignored. HINT: pass `staleness_correction='delay_compensation'` (command"
+                             " line: `strategy.staleness_correction=delay_compensation`), or leave"
+                             f" `staleness_correction_lambda` at its default {DEFAULT_STALENESS_LAMBDA}.")
         object.__setattr__(self, "staleness_correction_lambda", float(lam))
 
     @classmethod

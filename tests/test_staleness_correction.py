@@ -69,9 +69,10 @@ def corrected_reference(model, batches, optimizer: str, lr: float, steps: int, c
 
 
 def _strategy(correction, **kw) -> lightning_roundpipe.RoundPipeStrategy:
+    if correction == "delay_compensation":  # the only correction that reads lambda (others refuse a set one)
+        kw["staleness_correction_lambda"] = LAMBDA
     return lightning_roundpipe.RoundPipeStrategy(optimizer="async", staleness_correction=correction,
-                                                 staleness_correction_lambda=LAMBDA, num_microbatches=3,
-                                                 partition="default", **kw)
+                                                 num_microbatches=3, partition="default", **kw)
 
 
 def _trained(module) -> dict:
@@ -184,6 +185,12 @@ def test_resume_is_bitwise(correction, tmp_path):
     (dict(optimizer="async", staleness_correction="delay_compensation", staleness_correction_lambda=-0.1),
      r"`staleness_correction_lambda` must be a finite number >= 0.*HINT"),
     (dict(optimizer="async", staleness_correction_lambda=float("nan")), r"`staleness_correction_lambda`.*HINT"),
+    (dict(optimizer="async", staleness_correction="weight_prediction", staleness_correction_lambda=0.5),
+     r"`staleness_correction_lambda=0.5` is read only by `staleness_correction='delay_compensation'`.*ignored.*HINT"),
+    (dict(optimizer="async", staleness_correction_lambda=0.5), r"read only by.*delay_compensation.*HINT"),
+    (dict(optimizer="Async"), r"`optimizer` must be one of \['sync', 'async'\].*HINT: use 'async' \(lowercase\);"
+     r" from the command line `strategy.optimizer=async`"),
+    (dict(dispatch="Auto"), r"HINT: use 'auto' \(lowercase\)"),
 ])
 def test_bad_values_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -39,6 +39,11 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _weights(count: int) -> str:
+    """``"1 frozen matmul weight"`` / ``"3 frozen matmul weights"``."""
+    return f"{count} frozen matmul weight{'' if count == 1 else 's'}"
+
+
 class _WarnWhenSaved:
     """State-dict pre-hook (``hook(module, prefix, keep_vars)``) of the modules holding a weight that
     was converted to fp8: warns once per run, except while :attr:`muted` (the strategy's own checkpoints)."""
@@ -116,8 +121,8 @@ class FrozenFp8:
         self._owners = [m for m in lightning_module.modules()
                         if any(p is not None and id(p) in ids for p in m._parameters.values())]
         if not converted:
-            already = (f" ({len(loaded)} frozen matmul weights are held in 4/8 bits by bitsandbytes already and are"
-                       " streamed packed as they are)") if loaded else ""
+            already = (f" ({_weights(len(loaded))} already held in 4/8 bits by bitsandbytes,"
+                       " streamed packed as loaded)") if loaded else ""
             rank_zero_warn(
                 f"RoundPipe: `frozen_weights='{mode}'` converted nothing{already}: the pipelined"
                 f" `{type(target).__name__}` has no"
@@ -134,11 +139,11 @@ class FrozenFp8:
         held = ("float8_e4m3fn with one fp32 scale per output channel" if mode == "fp8" else
                 "bitsandbytes NF4 codes (blocks of 64, double-quantised absmax)")
         message = (
-            f"RoundPipe: frozen_weights='{mode}': {len(converted)} frozen matmul weights ({numel / 1e6:.2f}M parameters)"
+            f"RoundPipe: frozen_weights='{mode}': {_weights(len(converted))} ({numel / 1e6:.2f}M parameters)"
             f" are held on the host as {held} ({after / 2**20:.2f} MiB,"
             f" {after / numel:.3f} bytes per parameter, instead of {before / 2**20:.2f} MiB in {'/'.join(original)}),"
-            f" uploaded so and dequantised to {'/'.join(dequantised)} on the devices. Checkpoints leave them out (the"
-            f" base comes from its own files); when the strategy tears down they get their dtype back with {mode}-rounded"
+            f" uploaded so and dequantised to {'/'.join(dequantised)} on the devices. Checkpoints leave them out (they do not"
+            " train: a checkpoint is loaded into the model built from its original weights); when the strategy tears down they get their dtype back with {mode}-rounded"
             " values.")
         if message != self._announced:  # a later `validate`/`test` of the same model sets up again: said once
             self._announced = message
@@ -149,10 +154,11 @@ class FrozenFp8:
         held = sum(e.block.numel() for e in loaded)
         kinds = sorted({e.packed.meta.get("quant_type", "int8") for e in loaded})
         message = (
-            f"RoundPipe: {len(loaded)} frozen matmul weights ({numel / 1e6:.2f}M parameters) loaded by bitsandbytes in"
+            f"RoundPipe: {_weights(len(loaded))} ({numel / 1e6:.2f}M parameters) loaded by bitsandbytes in"
             f" {'/'.join(kinds)} are held on the host packed with their quantisation state ({held / 2**20:.2f} MiB,"
             f" {held / numel:.3f} bytes per parameter), uploaded so and computed by bitsandbytes' kernels on the"
-            " devices. Checkpoints leave them out (the base comes from its own files); their values do not change.")
+            " devices. Checkpoints leave them out (they do not train: a checkpoint is loaded into the model built from its"
+            " original weights); their values do not change.")
         if message != self._announced:
             self._announced = message
             rank_zero_info(message)
@@ -162,8 +168,8 @@ class FrozenFp8:
         if not self._owners:
             return
         self._hook = _WarnWhenSaved(
-            f"RoundPipe ran with `frozen_weights='{self._mode}'`: {len(self._owners)} frozen matmul weights of this model"
-            f" hold {self._mode}-rounded values now (dequantised back to their dtype when the strategy tore down), not the original"
+            f"RoundPipe ran with `frozen_weights='{self._mode}'`: {_weights(len(self._owners))} of this model"
+            f" {'holds' if len(self._owners) == 1 else 'hold'} {self._mode}-rounded values now (dequantised back to their dtype when the strategy tore down), not the original"
             " weights, and a state dict taken now (`torch.save(model.state_dict())`, a full `save_pretrained`, a"
             " checkpoint of another strategy) saves those values. Saving only a PEFT adapter is unaffected. HINT:"
             " re-load the original base weights before saving the whole model: load the base model from its files"

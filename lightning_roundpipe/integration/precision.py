@@ -78,7 +78,7 @@ def frozen_rounding_note(frozen: list[Tensor], compute_dtype: torch.dtype | None
         return None
     name = str(compute_dtype).replace("torch.", "")
     numel = sum(t.numel() for t in rounded)
-    return (f"RoundPipe holds {len(rounded)} frozen matmul weights ({numel / 1e6:.2f}M parameters: `nn.Linear` weights"
+    return (f"RoundPipe holds {len(rounded)} frozen matmul weight{'' if len(rounded) == 1 else 's'} ({numel / 1e6:.2f}M parameters: `nn.Linear` weights"
             f" with `requires_grad=False`, e.g. a LoRA base's projections) in {name} while it runs (`precision={precision!r}`:"
             f" {compute_dtype.itemsize} host bytes per parameter, no fp32 copy). When the strategy tears down they get their"
             f" dtype back with {name}-rounded values (the values the pipeline computed with): the model's frozen weights"
