@@ -41,7 +41,8 @@ from lightning_roundpipe.schedule.program import STREAMS
 from lightning_roundpipe.schedule.dispatch import DispatchPolicy
 from lightning_roundpipe.schedule.roundpipe import OPTIMIZER_MODES, build_stages, build_steady_state_plan
 from lightning_roundpipe.schedule.steady import SteadyStateProgram, lower_steady_state
-from lightning_roundpipe.simulate.engine import _CostModel, _Engine, _intervals, _Run, _check_inputs
+from lightning_roundpipe.simulate.costs import OpCostModel
+from lightning_roundpipe.simulate.engine import _Engine, _intervals, _Run, _check_inputs
 
 __all__ = ["DEFAULT_WINDOWS", "ModeChoice", "TrainingPrediction", "choose_for_mode", "optimizer_step_s",
            "partition_stages", "rotation_windows", "simulate_steady_program", "simulate_training"]
@@ -123,7 +124,7 @@ def optimizer_step_s(optimizer_bytes: int, hardware: HardwareModel | None) -> fl
 class _HostEngine(_Engine):
     """The simulator's engine plus a host queue of optimizer ops (one more "device" with one unit)."""
 
-    def __init__(self, program: SteadyStateProgram, costs: _CostModel, optimizer_s: float) -> None:
+    def __init__(self, program: SteadyStateProgram, costs: OpCostModel, optimizer_s: float) -> None:
         super().__init__(program.program, costs)
         host = len(self.queues)
         queue = []
@@ -221,7 +222,7 @@ def simulate_steady_program(
             raise ValueError(f"`microbatch_weights` must hold one finite number >= 0 per microbatch of an iteration"
                              f" ({spec.microbatches_per_iteration}), got {microbatch_weights!r}.")
         weights = per * spec.num_iterations
-    costs = _CostModel(program.program, profiles, hardware, comm_s_per_hop, weight_grad_fraction, weights)
+    costs = OpCostModel(program.program, profiles, hardware, comm_s_per_hop, weight_grad_fraction, weights)
     engine = _HostEngine(program, costs, optimizer_step_s)
     run = engine.run()
     device_ops = [at for at, device in enumerate(run.devices) if device != engine.host]
