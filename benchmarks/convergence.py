@@ -291,7 +291,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
             steps, mean = mean_curve(mode_runs)
             curves = [[run["val_loss"][list(run["steps"]).index(s)] for s in steps] for run in mode_runs]
             line, = ax.plot(steps, mean, label=f"{mode} ({len(mode_runs)} seeds)", lw=1.4,
-                            color=colors.setdefault(mode, f"C{len(colors)}"))  # one colour per mode in every panel
+                            color=colors.setdefault(mode, f"C{len(colors)}"),  # one colour per mode in every panel
+                            ls="--" if mode.startswith("async+") else "-")  # a correction equal to async: both show
             ax.fill_between(steps, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)],
                             color=line.get_color(), alpha=0.18, lw=0)
         ax.set_title(f"{setup}: {SETUP_NAMES.get(setup, setup)}\n{optimizer} lr={lr:g}", fontsize=9)
@@ -439,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
                      " has no `--staleness-correction` for it, so the correction's host cost is not counted")
     lines += [f"skipped {mode}: {why}" for mode, why in refused.items()]
     lines.append("loss: mean [min,max] over seeds; gap closed: (async - corrected) / (async - sync) at equal steps, %"
-                 f" ('-': async not worse than sync by > {args.min_gap} nats)")
+                 f" ('-': async not worse than sync by > {args.min_gap} nats); diverged k/n: k seeds NaN, inf or above"
+                 " the loss before the first step; a mode with a seed diverged at the end never reaches the target")
     table = "\n".join(lines) + "\n" + format_table(runs, step_s, args.target_rule, args.min_gap)
     print(table)
     (out / "table.txt").write_text(table + "\n")

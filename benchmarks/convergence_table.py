@@ -73,9 +73,18 @@ def interpolate(steps: Sequence[int], losses: Sequence[float], step: float) -> f
     return float(losses[-1])
 
 
+def _or_diverged(run: Mapping, loss: float) -> float:
+    """``loss``, or ``inf`` (diverged) when it is above the run's initial validation loss (its first
+    evaluation, before any step): training that ends worse than the untrained model diverged even
+    where the loss stayed finite (e.g. 8626 nats from 10.8)."""
+    initial = run["val_loss"][0] if run["steps"] and run["steps"][0] == 0 else math.inf
+    return math.inf if loss > initial else loss
+
+
 def loss_at_fraction(run: Mapping, fraction: float) -> float:
-    """The run's validation loss after ``fraction`` of its ``total_steps`` (rounded to a step)."""
-    return interpolate(run["steps"], run["val_loss"], round(fraction * run["total_steps"]))
+    """The run's validation loss after ``fraction`` of its ``total_steps`` (rounded to a step); ``inf``
+    when it diverged (not finite, or above the loss before the first step)."""
+    return _or_diverged(run, interpolate(run["steps"], run["val_loss"], round(fraction * run["total_steps"])))
 
 
 def mean_curve(runs: Sequence[Mapping]) -> tuple[list[int], list[float]]:
@@ -89,7 +98,8 @@ def mean_curve(runs: Sequence[Mapping]) -> tuple[list[int], list[float]]:
     common = sorted(set.intersection(*(set(run["steps"]) for run in runs)))
     if not common:
         raise ValueError("the runs share no evaluated step. HINT: run them with the same `--eval-every`.")
-    means = [spread(run["val_loss"][list(run["steps"]).index(step)] for run in runs).mean for step in common]
+    means = [spread(_or_diverged(run, run["val_loss"][list(run["steps"]).index(step)]) for run in runs).mean
+             for step in common]
     return common, means
 
 
@@ -196,7 +206,10 @@ def mode_rows(modes: Mapping[str, Sequence[Mapping]], step_s: Mapping[str, float
         else:
             gaps = (None,) * len(FRACTIONS)
         curve_steps, curve = mean_curve(runs)
-        rows.append(ModeRow(mode, len(runs), losses, gaps, steps_to_target(curve_steps, curve, target),
+        # a mode with a seed diverged at the end does not count as reaching the target, even where its mean
+        # curve passed it before blowing up
+        reached = None if losses[-1].diverged else steps_to_target(curve_steps, curve, target)
+        rows.append(ModeRow(mode, len(runs), losses, gaps, reached,
                             None if step_s is None else step_s.get(mode, step_s.get(base_mode(mode)))))
     return target, rows
 

@@ -128,6 +128,21 @@ def test_a_diverged_seed():
     assert "diverged 1/1" in table.format_table(runs)
 
 
+def test_a_finite_loss_above_the_initial_one_is_diverged():
+    """A seed that ends above its loss before the first step (finite, e.g. 8626 nats from 10.8) diverged: it
+    does not set the all-reach target (which would be met at step 0 by every mode), and its mode does not reach
+    the target even where its mean curve passed it before blowing up (0.75 at step 2 here)."""
+    runs = [_run("sync", 0, [5, 4, 3, 2, 1.0]), _run("async", 0, [5, 4.5, 0.5, 2.0, 1.5]),
+            _run("async", 1, [5, 4.5, 1.0, 6.0, 8626.0])]
+    assert table.loss_at_fraction(runs[2], 1.0) == math.inf
+    assert table.loss_at_fraction(runs[2], 0.5) == 1.0  # below the initial 5: not diverged there
+    target, rows = table.mode_rows(table.group_runs(runs)[("b", "adamw", 1e-3)])
+    assert target == 1.0  # sync's final: async (diverged 1/2) no longer sets it
+    by_mode = {row.mode: row for row in rows}
+    assert str(by_mode["async"].losses[2]) == "diverged 1/2" and by_mode["async"].steps_to_target is None
+    assert by_mode["sync"].steps_to_target == 4
+
+
 @pytest.mark.parametrize("correction", [None, *(pytest.param(name, marks=pytest.mark.slow) for name in
                                               ("weight_prediction", "delay_compensation", "gradient_extrapolation"))])
 def test_weight_snapshots_read_w_j_without_changing_the_async_run(correction):
