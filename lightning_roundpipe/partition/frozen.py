@@ -151,8 +151,8 @@ def check_frozen_format(value: object, flag: str = "--frozen-weights") -> str:
         near = "bf16"
     hint = (f"did you mean `{flag} {near}`?" if near in FROZEN_FORMATS else
             "`bf16` keeps the frozen base in the compute dtype, `fp8` holds it in fp8 with per-channel scales, `nf4`"
-            " in bitsandbytes' 4-bit NormalFloat (QLoRA), `int8` is a model loaded in 8 bits")
-    raise ValueError(f"`{flag}` must be one of {list(FROZEN_FORMATS)}, got {value!r}. HINT: {hint}.")
+            " in bitsandbytes' 4-bit NormalFloat (QLoRA), `int8` is a model loaded in 8 bits.")
+    raise ValueError(f"`{flag}` must be one of {list(FROZEN_FORMATS)}, got {value!r}. HINT: {hint}")
 
 
 def dequant_seconds(packed_bytes: int, numel: int, compute_dtype_bytes: int, memory_bytes_per_s: float) -> float:
