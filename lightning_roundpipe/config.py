@@ -414,13 +414,13 @@ class RoundPipeConfig:
             object.__setattr__(self, "cpu_device_speeds", tuple(float(v) for v in speeds))
         if not isinstance(self.dispatch, str) or self.dispatch not in DISPATCH_MODES:
             near = self.dispatch.strip().lower() if isinstance(self.dispatch, str) else None
-            hint = (f"use {near!r} (lowercase)" if near in DISPATCH_MODES else
+            hint = (f"use {near!r} (lowercase, no spaces)" if near in DISPATCH_MODES else
                     "'auto' keeps the round robin unless the simulator times the weighted dispatch faster on devices"
                     " of unequal speed or memory")
             raise ValueError(f"`dispatch` must be one of {list(DISPATCH_MODES)}, got {self.dispatch!r}. HINT: {hint}.")
         if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZER_MODES:
             near = self.optimizer.strip().lower() if isinstance(self.optimizer, str) else None
-            hint = (f"use {near!r} (lowercase)" if near in OPTIMIZER_MODES else
+            hint = (f"use {near!r} (lowercase, no spaces)" if near in OPTIMIZER_MODES else
                     "'sync' (default) keeps Lightning's exact semantics; 'async' overlaps the CPU optimizer step with"
                     " the next step's pipeline (weights one step stale, RoundPipe paper section 4)")
             raise ValueError(f"`optimizer` must be one of {list(OPTIMIZER_MODES)}, got {self.optimizer!r}. HINT: {hint};"

@@ -252,6 +252,8 @@ def test_plan_without_the_flag_prints_no_comparison(capsys):
     # the strategy refuses a correction without optimizer="async"; so does the planner (it took it silently)
     ([*PLAN, "--staleness-correction", "weight_prediction"], "`--staleness-correction weight_prediction` needs `--optimizer async`"),
     ([*PLAN, "--optimizer", "sync", "--staleness-correction", "gradient_extrapolation"], "needs `--optimizer async`"),
+    # a rank without `--lora` was ignored: a full fine-tuning plan came out
+    ([a for a in PLAN if a != "--lora"] + ["--lora-rank", "8"], "`--lora-rank 8` needs `--lora`"),
 ])
 def test_bad_frozen_weights_exit_2_with_a_hint(argv, message, capsys):
     assert main(argv) == 2
@@ -305,6 +307,7 @@ def test_planned_max_seq_len_counts_the_format():
     (["--frozen-weights", "nf4"], "`--frozen-weights nf4` needs `--lora`"),
     (["--lora", "--frozen-weights", "int8"], "`--frozen-weights int8` is a model loaded in 8 bits"),
     (["--lora", "--frozen-weights", "4bit"], "`--frozen-weights` must be one of"),
+    (["--microbatches", "0"], "`--microbatches` must be >= 1, got 0"),  # 0 ran the search with devices + 1
 ])
 def test_max_seq_bad_frozen_weights_exit_2(argv, message, capsys):
     assert main(["max-seq", "--tiny", "--device-memory-mib", "64", *argv]) == 2

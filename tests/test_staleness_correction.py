@@ -188,9 +188,9 @@ def test_resume_is_bitwise(correction, tmp_path):
     (dict(optimizer="async", staleness_correction="weight_prediction", staleness_correction_lambda=0.5),
      r"`staleness_correction_lambda=0.5` is read only by `staleness_correction='delay_compensation'`.*ignored.*HINT"),
     (dict(optimizer="async", staleness_correction_lambda=0.5), r"read only by.*delay_compensation.*HINT"),
-    (dict(optimizer="Async"), r"`optimizer` must be one of \['sync', 'async'\].*HINT: use 'async' \(lowercase\);"
+    (dict(optimizer="Async"), r"`optimizer` must be one of \['sync', 'async'\].*HINT: use 'async' \(lowercase, no spaces\);"
      r" from the command line `strategy.optimizer=async`"),
-    (dict(dispatch="Auto"), r"HINT: use 'auto' \(lowercase\)"),
+    (dict(dispatch="Auto"), r"HINT: use 'auto' \(lowercase, no spaces\)"),
 ])
 def test_bad_values_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -140,7 +140,10 @@ def make_report(args: argparse.Namespace) -> MaxSeqReport:
         raise ValueError(f"`--device-memory-mib` must be > 0, got {args.device_memory_mib}.")
     frozen = _frozen_format(args)
     D = args.devices
-    M = args.microbatches or D + 1
+    if args.microbatches is not None and args.microbatches < 1:
+        raise ValueError(f"`--microbatches` must be >= 1, got {args.microbatches}. HINT: leave it out for devices + 1"
+                         f" ({D + 1}), the fewest that fill the round robin.")
+    M = D + 1 if args.microbatches is None else args.microbatches
     if args.accelerator == "cuda":
         if not torch.cuda.is_available() or torch.cuda.device_count() < D:
             found = torch.cuda.device_count() if torch.cuda.is_available() else 0

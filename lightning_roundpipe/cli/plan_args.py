@@ -111,6 +111,9 @@ class PlanInputs:
                               frozen_weights=self.frozen)
 
 
+DEFAULT_LORA_RANK = 16
+"""``--lora-rank`` when ``--lora`` is given alone."""
+
 def plan_inputs(args: argparse.Namespace) -> PlanInputs:
     """Validate parsed `roundpipe plan` arguments (``args.devices`` a count: an int or its digits) and
     load the model's shape.
@@ -124,6 +127,11 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
             raise ValueError("`--devices` lists devices; `make_report` plans a count of equal devices."
                              " HINT: `lightning_roundpipe.cli.mixed_plan.make_mixed_report` plans a device list.")
         args.devices = count
+    if getattr(args, "lora_rank", None) is None:
+        args.lora_rank = DEFAULT_LORA_RANK
+    elif not args.lora:
+        raise ValueError(f"`--lora-rank {args.lora_rank}` needs `--lora`: without it every weight trains and no adapter"
+                         " is planned, so the rank would be ignored. HINT: add `--lora`, or leave out `--lora-rank`.")
     hints = {"devices": f"a count (1..{MAX_DEVICES}) or a device list, e.g. `--devices 8` or `--devices 4090,3090`",
              "seq_len": "tokens per sequence, e.g. 2048", "microbatch_size": "sequences per microbatch, e.g. 4",
              "lora_rank": "the adapters' rank, e.g. 16"}

@@ -202,7 +202,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per step M (default devices + 1: bubbles nearly vanish once M >= D + 1)")
     p.add_argument("--lora", action="store_true", help="LoRA: frozen base, only adapters train")
-    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default 16)")
+    p.add_argument("--lora-rank", type=int, default=None, help="LoRA rank, with --lora (default 16)")
     p.add_argument("--dtype-bytes", type=int, default=2, choices=DTYPE_BYTES,
                    help="bytes of the compute dtype: 1 (fp8), 2 (bf16/fp16) or 4 (fp32); default 2")
     p.add_argument("--frozen-weights", default=None, metavar="{bf16,fp8,nf4,int8}",
