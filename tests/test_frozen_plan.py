@@ -308,6 +308,9 @@ def test_planned_max_seq_len_counts_the_format():
     (["--lora", "--frozen-weights", "int8"], "`--frozen-weights int8` is a model loaded in 8 bits"),
     (["--lora", "--frozen-weights", "4bit"], "`--frozen-weights` must be one of"),
     (["--microbatches", "0"], "`--microbatches` must be >= 1, got 0"),  # 0 ran the search with devices + 1
+    (["--devices", "0"], "`--devices` must be >= 1, got 0"),
+    (["--start", "100", "--limit", "10"], "`--limit` (10) must be >= `--start` (100)"),
+    (["--device-memory-mib", "-1"], "`--device-memory-mib` must be > 0, got -1"),
 ])
 def test_max_seq_bad_frozen_weights_exit_2(argv, message, capsys):
     assert main(["max-seq", "--tiny", "--device-memory-mib", "64", *argv]) == 2

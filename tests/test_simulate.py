@@ -518,7 +518,12 @@ def test_cli_checks_plot_model_before_simulating(tmp_path, capsys, monkeypatch, 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys):
     rc, _ = _run_cli("--layer-timings", str(tmp_path / "missing.csv"))
-    assert rc == 2 and "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and "error" in err and "no file" in err and "HINT: `paper`" in err  # was a bare [Errno 2]
+    rc, out = _run_cli("--layer-timings", "Paper", "--devices", "2", "--microbatches", "3")  # any case
+    assert rc == 0 and "roundpipe_steady" in out
+    rc, _ = _run_cli("--layer-timings", "paper", "--devices", "0")
+    assert rc == 2 and "HINT:" in capsys.readouterr().err
 
 
 def test_reproduces_the_papers_bubble_table():

@@ -130,14 +130,23 @@ def make_report(args: argparse.Namespace) -> MaxSeqReport:
     from lightning_roundpipe.runtime.execution.engine import RoundPipeEngine
     from lightning_roundpipe.runtime.tuning.max_seq import causal_lm_step, measure_max_seq_len
 
-    for name in ("devices", "microbatch_size", "start", "limit", "resolution"):
+    hints = {"devices": "the number of devices to measure on, e.g. `--devices 2`",
+             "microbatch_size": "sequences per microbatch, e.g. 1 (the default)",
+             "start": "the first sequence length tried, e.g. 16 (the default)",
+             "limit": "the longest sequence length tried, e.g. 65536 (the default)",
+             "resolution": "the bisection's last step in tokens, e.g. 8 (the default)"}
+    for name, hint in hints.items():
         if getattr(args, name) < 1:
-            raise ValueError(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}.")
+            raise ValueError(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}. HINT: {hint}.")
+    if args.limit < args.start:
+        raise ValueError(f"`--limit` ({args.limit}) must be >= `--start` ({args.start}). HINT: raise `--limit`, or"
+                         " lower `--start`.")
     if args.accelerator == "cpu" and args.device_memory_mib is None:
         raise ValueError("`--device-memory-mib` is required with `--accelerator cpu`: CPU virtual devices have no"
                          " memory limit of their own. HINT: e.g. `--device-memory-mib 96`.")
     if args.device_memory_mib is not None and not args.device_memory_mib > 0:
-        raise ValueError(f"`--device-memory-mib` must be > 0, got {args.device_memory_mib}.")
+        raise ValueError(f"`--device-memory-mib` must be > 0, got {args.device_memory_mib}. HINT: each device's"
+                         " memory in MiB, e.g. `--device-memory-mib 96`.")
     frozen = _frozen_format(args)
     D = args.devices
     if args.microbatches is not None and args.microbatches < 1:

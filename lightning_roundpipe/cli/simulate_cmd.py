@@ -63,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _layer_timings_path(value: str) -> Path:
     """``paper`` -> the packaged paper timings; anything else is a path."""
-    if value == "paper":
+    if value.strip().lower() == "paper":
         try:
             return paper_data_path("paper_layer_timings_4090.csv")
         except OSError as e:  # a broken install
@@ -75,7 +75,12 @@ def run(args: argparse.Namespace) -> int:
     """Run the command; returns the exit status (0 ok, 2 bad input)."""
     if args.devices < 1 or args.microbatches < 1:
         print(f"roundpipe simulate: error: --devices and --microbatches must be >= 1, got {args.devices} and"
-              f" {args.microbatches}", file=sys.stderr)
+              f" {args.microbatches}. HINT: e.g. `--devices 8 --microbatches 16`.", file=sys.stderr)
+        return 2
+    if not args.layer_timings.is_file():
+        print(f"roundpipe simulate: error: --layer-timings: no file {str(args.layer_timings)!r}. HINT: `paper` uses"
+              " the paper's measured RTX 4090 layer timings; else a CSV path (columns as in"
+              " `lightning_roundpipe/simulate/data/paper_layer_timings_4090.csv`).", file=sys.stderr)
         return 2
     try:
         timings = read_layer_timings(args.layer_timings)
