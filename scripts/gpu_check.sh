@@ -35,7 +35,7 @@
 #
 # Settings (environment):
 #   GPU_CHECK_OUT          output folder (default gpu_check_out/ in the repository)
-#   GPU_CHECK_BUDGET_S     seconds for everything (default 530)
+#   GPU_CHECK_BUDGET_S     seconds for everything (default 530; a larger one scales each step's limit up)
 #   GPU_CHECK_SKIP_INSTALL=1   no install step (a rerun)
 #   GPU_CHECK_STEPS        comma list of the steps after install (default: all, in the order above)
 #   GPU_CHECK_ARGS         more arguments for the benchmarks/gpu_check.py steps (e.g. "--batch-size 2")
@@ -188,7 +188,8 @@ reserve_after() {
 # run_step NAME RESULT-FILE CMD...: CMD under `timeout`, at most LIMITS[NAME] seconds and never past
 # the budget minus what the later steps are given (reserve_after); its exit code is recorded, never fatal
 run_step() {
-  local name=$1 limit=${LIMITS[$1]} reserve result=$2
+  local name=$1 limit=$((LIMITS[$1] * BUDGET_S / 530)) reserve result=$2
+  ((limit < LIMITS[$1])) && limit=${LIMITS[$1]}  # a budget over the default 530 s scales every step's limit up
   reserve=$(reserve_after "$name")
   shift 2
   local left=$((BUDGET_S - SECONDS - reserve))

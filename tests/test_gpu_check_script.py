@@ -207,7 +207,7 @@ def test_script_on_cpu_virtual_devices_runs_every_step_past_a_failing_one(tmp_pa
 
     The step limits are sized for a GPU's 15 minutes; on a loaded 2-core machine CPU steps ran up to them
     (fp8_lora timed out at its 35 s with two busy loops and another test job beside it). What is tested here
-    is the script's flow, not the machine's speed: the budget is 10x the GPU one (each step 10x its limit)."""
+    is the script's flow, not the machine's speed: the budget is 10x the GPU one, which scales each step's limit 10x."""
     budget_s = 10 * 530
     env = dict(GPU_CHECK_ACCELERATOR="cpu", GPU_CHECK_SKIP_INSTALL="1", GPU_CHECK_ARGS="--loss-tol -1",
                PYTHON=sys.executable, GPU_CHECK_BUDGET_S=str(budget_s))
