@@ -49,7 +49,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) || { echo "gpu_check: FAIL
 cd "$ROOT" || exit 2
 OUT=${GPU_CHECK_OUT:-gpu_check_out}
 ACCELERATOR=${GPU_CHECK_ACCELERATOR:-cuda}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-530}
+DEFAULT_BUDGET_S=530  # the sum of LIMITS
+BUDGET_S=${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET_S}
 ORDER=(install throughput parity throughput_logical dropout_accum async_steady fp8_lora sanitizer pytest_logical pytest_all)
 declare -A LIMITS=([install]=80 [throughput]=110 [parity]=80 [throughput_logical]=45 [dropout_accum]=40
                    [async_steady]=40 [fp8_lora]=35 [sanitizer]=30 [pytest_logical]=30 [pytest_all]=40)  # sum: 530
@@ -188,7 +189,7 @@ reserve_after() {
 # run_step NAME RESULT-FILE CMD...: CMD under `timeout`, at most LIMITS[NAME] seconds and never past
 # the budget minus what the later steps are given (reserve_after); its exit code is recorded, never fatal
 run_step() {
-  local name=$1 limit=$((LIMITS[$1] * BUDGET_S / 530)) reserve result=$2
+  local name=$1 limit=$((LIMITS[$1] * BUDGET_S / DEFAULT_BUDGET_S)) reserve result=$2
   ((limit < LIMITS[$1])) && limit=${LIMITS[$1]}  # a budget over the default 530 s scales every step's limit up
   reserve=$(reserve_after "$name")
   shift 2

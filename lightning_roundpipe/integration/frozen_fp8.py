@@ -39,7 +39,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _weights(count: int) -> str:
+def frozen_weights_phrase(count: int) -> str:
     """``"1 frozen matmul weight"`` / ``"3 frozen matmul weights"``."""
     return f"{count} frozen matmul weight{'' if count == 1 else 's'}"
 
@@ -121,7 +121,7 @@ class FrozenFp8:
         self._owners = [m for m in lightning_module.modules()
                         if any(p is not None and id(p) in ids for p in m._parameters.values())]
         if not converted:
-            already = (f" ({_weights(len(loaded))} already held in 4/8 bits by bitsandbytes,"
+            already = (f" ({frozen_weights_phrase(len(loaded))} already held in 4/8 bits by bitsandbytes,"
                        " streamed packed as loaded)") if loaded else ""
             rank_zero_warn(
                 f"RoundPipe: `frozen_weights='{mode}'` converted nothing{already}: the pipelined"
@@ -139,11 +139,12 @@ class FrozenFp8:
         held = ("float8_e4m3fn with one fp32 scale per output channel" if mode == "fp8" else
                 "bitsandbytes NF4 codes (blocks of 64, double-quantised absmax)")
         message = (
-            f"RoundPipe: frozen_weights='{mode}': {_weights(len(converted))} ({numel / 1e6:.2f}M parameters)"
+            f"RoundPipe: frozen_weights='{mode}': {frozen_weights_phrase(len(converted))} ({numel / 1e6:.2f}M parameters)"
             f" are held on the host as {held} ({after / 2**20:.2f} MiB,"
             f" {after / numel:.3f} bytes per parameter, instead of {before / 2**20:.2f} MiB in {'/'.join(original)}),"
             f" uploaded so and dequantised to {'/'.join(dequantised)} on the devices. Checkpoints leave them out (they do not"
-            " train: a checkpoint is loaded into the model built from its original weights); when the strategy tears down they get their dtype back with {mode}-rounded"
+            " train: a checkpoint is loaded into the model built from its original weights); when the strategy tears"
+            f" down they get their dtype back with {mode}-rounded"
             " values.")
         if message != self._announced:  # a later `validate`/`test` of the same model sets up again: said once
             self._announced = message
@@ -154,7 +155,7 @@ class FrozenFp8:
         held = sum(e.block.numel() for e in loaded)
         kinds = sorted({e.packed.meta.get("quant_type", "int8") for e in loaded})
         message = (
-            f"RoundPipe: {_weights(len(loaded))} ({numel / 1e6:.2f}M parameters) loaded by bitsandbytes in"
+            f"RoundPipe: {frozen_weights_phrase(len(loaded))} ({numel / 1e6:.2f}M parameters) loaded by bitsandbytes in"
             f" {'/'.join(kinds)} are held on the host packed with their quantisation state ({held / 2**20:.2f} MiB,"
             f" {held / numel:.3f} bytes per parameter), uploaded so and computed by bitsandbytes' kernels on the"
             " devices. Checkpoints leave them out (they do not train: a checkpoint is loaded into the model built from its"
@@ -168,7 +169,7 @@ class FrozenFp8:
         if not self._owners:
             return
         self._hook = _WarnWhenSaved(
-            f"RoundPipe ran with `frozen_weights='{self._mode}'`: {_weights(len(self._owners))} of this model"
+            f"RoundPipe ran with `frozen_weights='{self._mode}'`: {frozen_weights_phrase(len(self._owners))} of this model"
             f" {'holds' if len(self._owners) == 1 else 'hold'} {self._mode}-rounded values now (dequantised back to their dtype when the strategy tore down), not the original"
             " weights, and a state dict taken now (`torch.save(model.state_dict())`, a full `save_pretrained`, a"
             " checkpoint of another strategy) saves those values. Saving only a PEFT adapter is unaffected. HINT:"

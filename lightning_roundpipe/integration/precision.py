@@ -44,6 +44,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_roundpipe.integration.frozen_fp8 import frozen_weights_phrase
+
 VALID_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _ALIASES = {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 _HALF = {"bf16": torch.bfloat16, "16": torch.float16}
@@ -78,7 +80,7 @@ def frozen_rounding_note(frozen: list[Tensor], compute_dtype: torch.dtype | None
         return None
     name = str(compute_dtype).replace("torch.", "")
     numel = sum(t.numel() for t in rounded)
-    return (f"RoundPipe holds {len(rounded)} frozen matmul weight{'' if len(rounded) == 1 else 's'} ({numel / 1e6:.2f}M parameters: `nn.Linear` weights"
+    return (f"RoundPipe holds {frozen_weights_phrase(len(rounded))} ({numel / 1e6:.2f}M parameters: `nn.Linear` weights"
             f" with `requires_grad=False`, e.g. a LoRA base's projections) in {name} while it runs (`precision={precision!r}`:"
             f" {compute_dtype.itemsize} host bytes per parameter, no fp32 copy). When the strategy tears down they get their"
             f" dtype back with {name}-rounded values (the values the pipeline computed with): the model's frozen weights"
